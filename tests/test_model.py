@@ -1,0 +1,196 @@
+"""Foundation checks: subspace exactness, split equivalence, HF interop, manifest errors."""
+
+import pytest
+import torch
+
+from agora.config import ManifestError, load_manifest, parse_manifest
+from agora.hf import export_state_dict, hf_config_kwargs, import_state_dict
+from agora.model import PipelineModel, Stage, count_parameters
+from agora.wire import bytes_per_token, compress, decompress, relative_reconstruction_error
+
+
+def tiny(mode="subspace", stages=(2, 2), **over):
+    m = load_manifest("tiny")
+    changes = {"residual.mode": mode, "stages": list(stages), "model.n_layers": sum(stages)}
+    if mode == "dense":
+        changes["residual.k"] = None
+    changes.update(over)
+    return m.with_overrides(**changes)
+
+
+def batch(man, b=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, man.model.vocab_size, (b, man.model.seq_len + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def test_subspace_exact_after_every_stage():
+    man = tiny(stages=(1, 1, 1, 1))
+    model = PipelineModel(man)
+    tokens, _ = batch(man)
+    x = tokens
+    for stage in model.stages[:-1]:
+        x = stage(x)
+        err = relative_reconstruction_error(x, tokens, stage.basis, stage.frozen_embed)
+        assert err < 1e-5, err
+
+
+def test_unconstrained_write_breaks_exactness():
+    """Control: one dense (unconstrained) write matrix makes the same check fail."""
+    man = tiny(stages=(2, 2))
+    stage = Stage(man, 0)
+    tokens, _ = batch(man)
+    rogue = torch.nn.Linear(man.model.d_model, man.model.d_model, bias=False)
+    torch.nn.init.normal_(rogue.weight, std=0.02)
+    # The block additionally writes rogue(x) into the residual, not lifted by U^T.
+    stage.layers["1"].register_forward_hook(lambda mod, inp, out: out + rogue(inp[0]))
+    x = stage(tokens)
+    err = relative_reconstruction_error(x, tokens, stage.basis, stage.frozen_embed)
+    assert err > 1e-2, err
+
+
+def test_frozen_embedding_orthogonal_to_basis():
+    stage = Stage(tiny(), 0)
+    assert (stage.frozen_embed @ stage.basis).abs().max() < 1e-5
+    eye = stage.basis.T @ stage.basis
+    assert torch.allclose(eye, torch.eye(eye.shape[0]), atol=1e-5)
+
+
+def test_stage_built_alone_equals_slice_of_full_model():
+    man = tiny()
+    full = PipelineModel(man)
+    alone = Stage(man, 1)
+    for (n1, p1), (n2, p2) in zip(full.stages[1].named_parameters(), alone.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("mode", ["dense", "subspace"])
+def test_split_equivalence_loss_and_grads(mode):
+    man = tiny(mode=mode, stages=(1, 2, 1))
+    ref = PipelineModel(man)
+    split = PipelineModel(man)
+    split.load_state_dict(ref.state_dict())
+    tokens, targets = batch(man)
+
+    ref_loss = ref.loss(tokens, targets)
+    ref_loss.backward()
+
+    # Chain the stages through compress -> decompress with detached boundaries, as peers do.
+    inputs, outputs = [], []
+    x = tokens
+    for i, stage in enumerate(split.stages):
+        if i > 0:
+            boundary = compress(x.detach(), tokens, stage.basis, "fp32")
+            boundary.coords.requires_grad_(True)
+            inputs.append(boundary)
+            x = decompress(boundary, stage.basis, stage.frozen_embed)
+        x = stage(x)
+        outputs.append(x)
+    loss = split.stages[-1].loss(x, targets)
+    assert torch.allclose(loss, ref_loss, atol=1e-5)
+    loss.backward()
+    for i in range(len(split.stages) - 2, -1, -1):
+        # Sender side: d loss / d x_out = (d loss / d coords) lifted back through compress.
+        out = outputs[i]
+        wire = compress(out, tokens, split.stages[i + 1].basis, "fp32").coords
+        wire.backward(inputs[i].coords.grad)
+    for (name, p_ref), (_, p_split) in zip(ref.named_parameters(), split.named_parameters()):
+        assert p_ref.grad is not None, name
+        assert torch.allclose(p_ref.grad, p_split.grad, atol=1e-5), name
+
+
+def test_boundary_bytes_and_dtypes():
+    man = tiny()
+    stage = Stage(man, 0)
+    tokens, _ = batch(man)
+    x = stage(tokens)
+    b16 = compress(x, tokens, stage.basis, "bf16")
+    assert b16.coords.dtype == torch.bfloat16 and b16.tokens.dtype == torch.int32
+    k, d = man.residual.k, man.model.d_model
+    assert b16.nbytes == tokens.numel() * (2 * k + 4) == tokens.numel() * bytes_per_token(d, "subspace", k, "bf16")
+    dense = compress(x, tokens, None, "fp32")
+    assert dense.nbytes == tokens.numel() * (4 * d + 4)
+    # bf16 coordinates still rebuild x closely (relative rounding ~ 2^-8).
+    rebuilt = decompress(b16, stage.basis, stage.frozen_embed)
+    assert ((rebuilt - x).abs().max() / x.abs().max()) < 1e-2
+
+
+def test_token_ids_survive_the_wire_above_fp16_range():
+    man = tiny()
+    stage = Stage(man, 1)
+    tokens = torch.tensor([[4095, 2049, 3001, 7]])
+    b = compress(torch.zeros(1, 4, man.model.d_model), tokens, stage.basis, "bf16")
+    assert torch.equal(b.tokens.long(), tokens)
+
+
+def test_hf_logits_match_and_weights_round_trip(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    man = tiny(mode="dense", stages=(2, 2))
+    cfg = transformers.LlamaConfig(**hf_config_kwargs(man))
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    ours = PipelineModel(man).eval()
+    import_state_dict(ours, hf.state_dict())
+    tokens, _ = batch(man)
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff < 1e-4, diff
+    exported = export_state_dict(ours)
+    hf_state = {k: v for k, v in hf.state_dict().items() if not k.endswith("inv_freq")}
+    assert set(exported) == set(hf_state)
+    assert all(torch.equal(exported[k], hf_state[k]) for k in hf_state)
+    # safetensors round trip into a fresh model
+    from agora.hf import load_hf_safetensors, save_hf_safetensors
+
+    save_hf_safetensors(ours, tmp_path / "model.safetensors")
+    fresh = PipelineModel(man)
+    load_hf_safetensors(fresh, tmp_path / "model.safetensors")
+    with torch.no_grad():
+        assert torch.equal(fresh(tokens), ours(tokens))
+
+
+def test_subspace_model_refuses_hf_import():
+    with pytest.raises(ValueError, match="dense"):
+        import_state_dict(PipelineModel(tiny()), {})
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"residual": {"mode": "subspace", "k": 999}}, "residual.k"),
+        ({"stages": [1, 1, 1, 1, 1]}, "stages"),
+        ({"bogus": 1}, "bogus: unknown key"),
+        ({"model": "wide"}, "model"),
+        ({"seed": "abc"}, "seed"),
+        ({"residual": {"mode": "subspace"}}, "residual.k is required"),
+        ({"batch": {"microbatch_size": 8, "target_batch_size": 4}}, "target_batch_size"),
+    ],
+)
+def test_manifest_errors_name_the_field(change, needle):
+    data = load_manifest("tiny").model_dump(mode="json")
+    data.update(change)
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(data, "test.yaml")
+    assert needle in str(err.value), str(err.value)
+
+
+def test_manifest_hash_is_stable_and_content_sensitive(tmp_path):
+    a = load_manifest("tiny")
+    path = tmp_path / "m.yaml"
+    path.write_text(a.to_yaml())
+    assert load_manifest(path).hash == a.hash
+    assert a.with_overrides(**{"optimizer.lr": 0.01}).hash != a.hash
+
+
+def test_malformed_yaml_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("run_id: [unclosed\n")
+    with pytest.raises(ManifestError, match="not valid YAML"):
+        load_manifest(path)
+
+
+def test_8b_preset_validates_and_reports_size():
+    man = load_manifest("agora-8b")
+    n = count_parameters(man)["total"]
+    assert 5e9 < n < 9e9
+    assert man.model.d_model / bytes_per_token(4096, "subspace", 40, "bf16") * 4 > 100  # >100x vs dense fp32
