@@ -1,0 +1,1 @@
+"""Benchmarks: each writes ``result.json`` and ``result.md`` into its output folder."""

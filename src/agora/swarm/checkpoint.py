@@ -1,0 +1,54 @@
+"""Stage checkpoints: parameters + optimizer state as safetensors, step and manifest as JSON, written atomically.
+
+One folder per stage (``DIR/stage{K}/``) so every replica of a stage can write to its own DIR and a restarted
+swarm can hand each node the folder of its stage. A checkpoint of another manifest is refused, not loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from agora.config import Manifest
+
+
+def stage_dir(root: str | Path, stage: int) -> Path:
+    return Path(root) / f"stage{stage}"
+
+
+def save_stage_checkpoint(
+    root: str | Path, manifest: Manifest, stage: int, step: int, names: list[str], tensors: list[torch.Tensor]
+) -> Path:
+    folder = stage_dir(root, stage)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"step": str(step), "stage": str(stage), "manifest_hash": manifest.hash, "run_id": manifest.run_id}
+    # The step lives inside the safetensors header, so weights and step are replaced in one atomic rename.
+    tmp = folder / "state.safetensors.tmp"
+    save_file({n: t.contiguous() for n, t in zip(names, tensors)}, str(tmp), metadata=meta)
+    os.replace(tmp, folder / "state.safetensors")
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))  # human-readable copy only
+    return folder
+
+
+def load_stage_checkpoint(
+    root: str | Path, manifest: Manifest, stage: int
+) -> Optional[tuple[int, list[str], list[torch.Tensor]]]:
+    """(step, names, tensors) of the stage's checkpoint under ``root``, or None if there is none."""
+    path = stage_dir(root, stage) / "state.safetensors"
+    if not path.exists():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("manifest_hash") != manifest.hash:
+        raise ValueError(
+            f"checkpoint {path} was written for manifest {meta.get('manifest_hash')}, this run uses {manifest.hash}"
+        )
+    state = load_file(str(path))
+    names = sorted(state)
+    return int(meta["step"]), names, [state[n] for n in names]

@@ -1,0 +1,119 @@
+"""What peers announce in the DHT, and how to read it back.
+
+One DHT key per (run, stage) with one subkey per peer, so records expire independently: a crashed peer vanishes
+when its record's short expiry passes, without anyone deleting it. Values are small dicts (a few hundred bytes).
+Every record carries the manifest hash; readers drop records of another manifest, so two runs (or a stale
+manifest) that share a DHT never mix.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+RECORD_TTL_S = 8.0  # a record lives this long unless refreshed; ~3x the announce period
+ANNOUNCE_PERIOD_S = 2.5
+
+
+class PeerState(str, Enum):
+    """Lifecycle of a stage peer. Only ``serving`` peers get routed work."""
+
+    JOINING = "joining"  # process up, stage chosen, no weights yet
+    SYNCING = "syncing"  # downloading parameters and optimizer state from a replica
+    SERVING = "serving"  # accepting forward/backward work
+    LEAVING = "leaving"  # draining in-flight work before exit; routers must stop sending
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}_stage{stage}"
+
+
+def trainers_key(run_id: str) -> str:
+    return f"{run_id}_trainers"
+
+
+def manifest_key(run_id: str) -> str:
+    return f"{run_id}_manifest"
+
+
+def acks_key(run_id: str) -> str:
+    return f"{run_id}_acks"
+
+
+def bans_key(run_id: str) -> str:
+    return f"{run_id}_bans"
+
+
+@dataclass
+class StageRecord:
+    """A stage peer's announcement. ``throughput`` is tokens/s of compute (EMA), ``queue`` jobs waiting."""
+
+    peer_id: str
+    stage: int
+    state: str
+    manifest_hash: str
+    throughput: float = 0.0
+    queue: int = 0
+    step: int = 0
+    samples: int = 0  # samples accumulated toward the next optimizer step
+    fingerprint: float = 0.0  # checksum of the parameters after ``step`` (replicas must agree)
+    addrs: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    updated: float = 0.0
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> Optional["StageRecord"]:
+        if not isinstance(value, dict):
+            return None
+        try:
+            return cls(**{k: value[k] for k in cls.__dataclass_fields__ if k in value})
+        except TypeError:
+            return None
+
+
+@dataclass
+class TrainerRecord:
+    peer_id: str
+    manifest_hash: str
+    tokens: int = 0
+    loss: float = float("nan")
+    microbatches: dict[str, int] = field(default_factory=dict)
+    updated: float = 0.0
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def announce(dht: DHT, key: str, subkey: str, value: dict, ttl: float = RECORD_TTL_S) -> bool:
+    value = dict(value, updated=time.time())
+    return bool(dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl))
+
+
+def read_subkeys(dht: DHT, key: str, latest: bool = True) -> dict[str, Any]:
+    """All live subkey values of ``key`` ({subkey: value}); empty when the key is unknown."""
+    found = dht.get(key, latest=latest)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {str(sub): item.value for sub, item in found.value.items()}
+
+
+def read_stage(dht: DHT, run_id: str, stage: int, manifest_hash: str) -> list[StageRecord]:
+    """Live records of ``stage`` that belong to this manifest."""
+    out = []
+    for value in read_subkeys(dht, stage_key(run_id, stage)).values():
+        rec = StageRecord.from_value(value)
+        if rec is not None and rec.manifest_hash == manifest_hash and rec.stage == stage:
+            out.append(rec)
+    return out
+
+
+def read_swarm(dht: DHT, run_id: str, n_stages: int, manifest_hash: str) -> list[list[StageRecord]]:
+    return [read_stage(dht, run_id, s, manifest_hash) for s in range(n_stages)]
