@@ -289,7 +289,8 @@ def test_packing_rows_are_contiguous_slices(built: tuple[TokenDataset, TokenData
         assert stream.max() < tiny.model.vocab_size and stream.min() >= 0
 
     # The stream is exactly the per-document encodings joined by EOT (the parallel line-cut encoding changes nothing).
-    few = val_docs[:3]
+    tricky = "Indented:\n    code line\n\n  \n\tTabbed\n \nend  \n\n\n"
+    few = [*val_docs[:2], Document("tricky", tricky), *(Document(str(i), t) for i, t in enumerate(UNICODE_SAMPLES) if t)]
     expected: list[int] = []
     for i, d in enumerate(few):
         expected += ([data.eot_id(tok)] if i else []) + tok.encode(d.text, add_special_tokens=False).ids
@@ -298,6 +299,16 @@ def test_packing_rows_are_contiguous_slices(built: tuple[TokenDataset, TokenData
     s = torch.arange(10)
     assert data.pack(s, 2).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert data.pack(s, 20).shape == (0, 21)
+
+
+def test_line_cut_encoding_is_exact_with_whitespace_merges() -> None:
+    """Indented text makes BPE learn merges like "\\n   "; the parallel encoder must not cut through them."""
+    code = "".join(f"def f{i}():\n    if x:\n        return {i}\n\n    \n  # note\n" for i in range(200))
+    tok = data._train_bpe([code], 320)
+    assert any(t.startswith("Ċ") and "Ġ" in t for t in tok.get_vocab())  # the hazard is really present
+    docs = [Document("a", code[:3000]), Document("b", "x\n  y\n\n   z\n \n")]
+    expected = tok.encode(docs[0].text).ids + [data.eot_id(tok)] + tok.encode(docs[1].text).ids
+    assert data.tokenize_documents(tok, docs, use_cache=False).tolist() == expected
 
 
 def test_cache_reuse(built: tuple[TokenDataset, TokenDataset, Tokenizer], cache: Path, tiny: Manifest, monkeypatch: pytest.MonkeyPatch) -> None:

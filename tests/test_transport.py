@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import time
 from contextlib import asynccontextmanager
@@ -25,6 +26,7 @@ from agora.swarm.transport import (
     encode_error,
     encode_message,
     handler_name,
+    remove_handler,
 )
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
@@ -201,7 +203,7 @@ def test_roundtrip_over_p2p_with_byte_accounting():
     run(scenario())
 
 
-def test_handler_errors_become_rpc_errors_and_server_keeps_serving():
+def test_handler_errors_become_rpc_errors_and_server_keeps_serving(caplog):
     async def strict(meta, tensors, peer_id):
         if meta.get("mode") == "shape":
             raise RpcError("shape_mismatch", f"expected [4, 8], got {list(tensors[0].shape)}")
@@ -225,7 +227,9 @@ def test_handler_errors_become_rpc_errors_and_server_keeps_serving():
             meta, (y,) = await call(client, server.peer_id, NS, "strict", {}, [x], timeout=10)
             assert meta == {"ok": True} and torch.equal(y, x * 2)
 
-    run(scenario())
+    with caplog.at_level(logging.WARNING, logger=transport.__name__):
+        run(scenario())
+    assert "KeyError: 'oops'" in caplog.text  # unexpected handler failures are logged with their traceback
 
 
 def test_oversized_payloads_are_rejected():
@@ -305,6 +309,13 @@ def test_unreachable_peer_and_unknown_handler():
             with pytest.raises(RpcError) as info:
                 await call(client, server.peer_id, "other-run", "echo", {}, [torch.ones(2)], timeout=3)
             assert info.value.code == "no_handler"
+
+            await remove_handler(server, NS, "echo")
+            with pytest.raises(RpcError) as info:
+                await call(client, server.peer_id, NS, "echo", {}, [torch.ones(2)], timeout=3)
+            # until identify tells the client's daemon that the protocol is gone, libp2p opens the stream lazily
+            # and the remote's refusal surfaces as a reset of an already "open" stream
+            assert info.value.code in ("no_handler", "connection_lost")
 
             await server.shutdown()  # a peer we were connected to goes away
             start = time.monotonic()

@@ -89,6 +89,167 @@ def bench_compression(
     print(json.dumps(result["bytes"], indent=2))
 
 
+# ---------------------------------------------------------------------------------------------- swarm roles
+PeersOpt = typer.Option([], "--initial-peers", help="multiaddr(s) of any running peer, e.g. from `agora bootstrap`")
+HostOpt = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for a public node)")
+PortOpt = typer.Option(0, help="TCP port to listen on (0: any free port)")
+AnnounceOpt = typer.Option(None, help="public address to announce (needs a fixed --port)")
+IdentityOpt = typer.Option(None, help="file with a persistent peer identity (created if missing)")
+LogOpt = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def _enable_stack_dumps() -> None:
+    """``kill -USR1 PID`` prints every thread's stack: a stuck peer can always say what it is waiting for."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _join_errors(fn):
+    """Turn JoinError into its exit code with one readable line instead of a traceback."""
+    from agora.swarm.peer import JoinError
+
+    try:
+        return fn()
+    except JoinError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(err.exit_code)
+
+
+@app.command()
+def bootstrap(
+    manifest: Optional[str] = typer.Option(None, help="publish this run's manifest hash so mismatched peers are refused"),
+    initial_peers: List[str] = PeersOpt, host: str = HostOpt, port: int = PortOpt,
+    announce_host: Optional[str] = AnnounceOpt, identity: Optional[str] = IdentityOpt,
+    maddr_file: Optional[str] = typer.Option(None, help="also write the multiaddrs to this file"),
+    log_level: str = LogOpt,
+) -> None:
+    """A DHT peer to join through; prints its full multiaddrs."""
+    from agora.swarm.peer import setup_logging
+    from agora.swarm.run import run_bootstrap
+
+    setup_logging(log_level)
+    m = _manifest(manifest) if manifest else None
+    raise typer.Exit(_join_errors(lambda: run_bootstrap(m, initial_peers, host, port, announce_host, identity, maddr_file)))
+
+
+@app.command()
+def node(
+    manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
+    stage: str = typer.Option("auto", help="stage index, or 'auto' for the weakest stage"),
+    initial_peers: List[str] = PeersOpt, host: str = HostOpt, port: int = PortOpt,
+    announce_host: Optional[str] = AnnounceOpt, identity: Optional[str] = IdentityOpt,
+    resume: Optional[str] = typer.Option(None, help="checkpoint folder to restore this stage from"),
+    checkpoint_dir: Optional[str] = typer.Option(None, help="save stage checkpoints here"),
+    checkpoint_every: int = typer.Option(0, help="save every N optimizer steps (and always on leave)"),
+    metrics_port: Optional[int] = typer.Option(None, help="serve Prometheus /metrics on this port"),
+    summary: Optional[str] = typer.Option(None, help="write a JSON summary of this node here"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads for this node"),
+    attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): KIND[:strength]"),
+    log_level: str = LogOpt,
+) -> None:
+    """Serve one pipeline stage: forward/backward for trainers and the previous stage, averaging with replicas."""
+    from agora.swarm.node import NodeOptions
+    from agora.swarm.peer import setup_logging
+    from agora.swarm.run import run_node
+
+    setup_logging(log_level)
+    _enable_stack_dumps()
+    m = _manifest(manifest)
+    opts = NodeOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads)
+    raise typer.Exit(_join_errors(lambda: run_node(
+        m, stage, initial_peers, host, port, announce_host, identity, opts, summary=summary, resume=resume,
+        metrics_port=metrics_port, attack=attack)))
+
+
+@app.command()
+def train(
+    manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
+    initial_peers: List[str] = PeersOpt, host: str = HostOpt, port: int = PortOpt,
+    identity: Optional[str] = IdentityOpt,
+    shard: str = typer.Option("0/1", help="data shard INDEX/COUNT of this trainer"),
+    in_flight: int = typer.Option(2, help="microbatches kept in the pipeline at once"),
+    max_tokens: Optional[int] = typer.Option(None, help="stop after this many tokens (default: until stopped)"),
+    val_batches: int = typer.Option(4, help="validation microbatches to run through the swarm at the end"),
+    summary: Optional[str] = typer.Option(None, help="write a JSON summary here on exit"),
+    log_level: str = LogOpt,
+) -> None:
+    """Feed a data shard into the pipeline and report the loss."""
+    from agora.swarm.peer import setup_logging
+    from agora.swarm.run import run_trainer
+    from agora.swarm.trainer import TrainerOptions
+
+    setup_logging(log_level)
+    _enable_stack_dumps()
+    m = _manifest(manifest)
+    try:
+        index, count = (int(x) for x in shard.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        console.print(f"[red]error:[/red] --shard must look like INDEX/COUNT with 0 <= INDEX < COUNT, got {shard!r}")
+        raise typer.Exit(2)
+    opts = TrainerOptions(in_flight=in_flight)
+    raise typer.Exit(_join_errors(lambda: run_trainer(
+        m, initial_peers, host, port, identity, index, count, opts, max_tokens, summary, val_batches)))
+
+
+@app.command()
+def status(
+    manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
+    initial_peers: List[str] = PeersOpt,
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """A table of the run read from the DHT: stages, peers, throughput, steps, the bottleneck."""
+    from agora.swarm.peer import make_dht
+    from agora.swarm.status import render_status, swarm_status
+
+    m = _manifest(manifest)
+    dht = _join_errors(lambda: make_dht(initial_peers, client_mode=True))
+    try:
+        snap = swarm_status(dht, m)
+    finally:
+        dht.shutdown()
+    if as_json:
+        print(json.dumps(snap, indent=1))
+    else:
+        Console().print(render_status(snap))
+
+
+@app.command()
+def demo(
+    preset: str = typer.Option("small", help="preset (tiny, small) or a manifest YAML"),
+    stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=1),
+    trainers: int = typer.Option(1, min=1), steps: int = typer.Option(30, min=1),
+    out: Path = typer.Option(Path("runs/demo")),
+    in_flight: int = typer.Option(2, help="microbatches each trainer keeps in flight"),
+    chaos: Optional[float] = typer.Option(None, help="every SECONDS, SIGKILL a random stage peer and start a replacement"),
+    chaos_last: bool = typer.Option(False, help="let chaos kill the last peer of a stage too"),
+    dashboard: bool = typer.Option(False, help="also serve the live dashboard"),
+    dashboard_port: int = typer.Option(8080),
+    timeout: float = typer.Option(1800.0, help="give up after this many seconds"),
+    threads: int = typer.Option(1, help="torch threads per process"),
+    no_live: bool = typer.Option(False, "--no-live", help="no live table (for logs and CI)"),
+) -> None:
+    """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
+    from agora.swarm.demo import run_demo
+
+    summary = run_demo(
+        preset=preset, stages=stages, replicas=replicas, trainers=trainers, steps=steps, out=out,
+        in_flight=in_flight, chaos=chaos, chaos_last=chaos_last, timeout=timeout, threads=threads,
+        dashboard_port=dashboard_port if dashboard else None, live=not no_live,
+    )
+    mb = summary["microbatches"]
+    console.print(
+        f"demo {'finished' if summary['finished'] else 'TIMED OUT'}: {summary['tokens']} tokens in "
+        f"{summary['wall_s']:.0f}s ({summary['tokens_per_s']:.0f} tok/s), loss {summary['first_loss']} -> "
+        f"{summary['final_loss']}, val {summary['val_loss']}, steps {summary['steps_per_stage']}, microbatches "
+        f"{mb}. Report: {out}/report.html"
+    )
+    if not summary["finished"]:
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

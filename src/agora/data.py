@@ -422,7 +422,10 @@ def _train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
 def _splittable(tokenizer: Tokenizer) -> bool:
     """Whether ``_SAFE_CUT`` cuts leave this tokenizer's output unchanged (plain regex ByteLevel, no normaliser)."""
     pre = tokenizer.pre_tokenizer
-    return tokenizer.normalizer is None and isinstance(pre, pre_tokenizers.ByteLevel) and bool(pre.use_regex)
+    if tokenizer.normalizer is not None or not isinstance(pre, pre_tokenizers.ByteLevel) or not pre.use_regex:
+        return False
+    # Added tokens are matched before pre-tokenization; one containing a newline could straddle a cut.
+    return not any("\n" in t.content for t in tokenizer.get_added_tokens_decoder().values())
 
 
 def _encode_stream(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarray:
@@ -434,16 +437,18 @@ def _encode_stream(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarray
     out: list[np.ndarray] = []
     group: list[list[str]] = []
     group_chars = 0
+    done = [0]  # documents emitted so far; a separator precedes every document but the first
 
     def flush() -> None:
         flat = [p for pieces in group for p in pieces]
         encodings = tokenizer.encode_batch(flat, add_special_tokens=False)
         k = 0
         for pieces in group:
-            if out:
+            if done[0]:
                 out.append(sep)
             out.extend(np.asarray(e.ids, dtype=np.int32) for e in encodings[k : k + len(pieces)])
             k += len(pieces)
+            done[0] += 1
 
     for d in docs:
         group.append([p for p in _SAFE_CUT.split(d.text) if p] if splittable else [d.text])

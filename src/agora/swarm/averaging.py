@@ -73,6 +73,7 @@ class ReplicaSync:
         self.resyncs = 0
         self.round_durations: list[float] = []
         self._announced_samples, self._announced_at = 0, 0.0
+        self.round_observers: list = []  # called with (ok: bool, seconds: float, group_size: int)
 
     def shutdown(self) -> None:
         try:
@@ -193,6 +194,8 @@ class ReplicaSync:
         dt = time.monotonic() - t0
         self.round_durations.append(dt)
         del self.round_durations[:-100]
+        for observe in self.round_observers:
+            observe(n_others == 0 or group > 1, dt, group)
         n.log_event("step", step=n.step, samples=samples, group=group, seconds=dt, stalled=stalled)
         logger.info(f"stage {n.stage_index}: step {n.step} ({samples} local samples, group of {group}, {dt:.2f}s)")
         await n.announce()

@@ -37,6 +37,7 @@ from agora.swarm.records import (
     ANNOUNCE_PERIOD_S,
     PeerState,
     StageRecord,
+    acks_key,
     announce,
     read_stage,
     stage_key,
@@ -136,6 +137,12 @@ class StageNode:
         self._tasks: list[asyncio.Task] = []
         self.events: list[dict] = []
         self._wire_dtype = WIRE_DTYPES[manifest.residual.wire_dtype]
+        # Observers (e.g. Prometheus metrics) get (kind, seconds, tokens) for every forward/backward: no metrics
+        # code in the hot path, and a node without metrics pays nothing.
+        self.compute_observers: list = []
+        # Receiver-side acknowledgements: how many results each downstream peer delivered to us. Published in the
+        # DHT under our own id, so a peer's acknowledged work is vouched for by others, never by itself.
+        self.acks: dict[str, int] = {}
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)
 
@@ -208,6 +215,9 @@ class StageNode:
     async def announce(self) -> None:
         rec = self.record().to_value()
         await self.run_io(announce, self.dht, stage_key(self.manifest.run_id, self.stage_index), self.peer_id, rec)
+        if self.acks:
+            acks = {"manifest_hash": self.manifest.hash, "acks": dict(self.acks)}
+            await self.run_io(announce, self.dht, acks_key(self.manifest.run_id), self.peer_id, acks)
 
     async def _announce_loop(self) -> None:
         while True:
@@ -288,7 +298,7 @@ class StageNode:
                 if train:
                     # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean.
                     (loss_t * tokens.shape[0]).backward()
-        self._account(t0, tokens.numel())
+        self._account(t0, tokens.numel(), "forward")
         pending = _Pending(tensors[0] if not self.is_head else None, tokens, leaf, out, self.step)
         return pending, loss
 
@@ -310,7 +320,7 @@ class StageNode:
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
         sent.backward(grad_out.to(sent.dtype))
-        self._account(t0, pending.tokens.numel())
+        self._account(t0, pending.tokens.numel(), "backward")
         self.samples += pending.tokens.shape[0]
         self.last_sample_time = time.monotonic()
         if pending.leaf is None:
@@ -322,9 +332,11 @@ class StageNode:
         self.last_sample_time = time.monotonic()
         return None if pending.leaf is None else pending.leaf.grad.to(self._wire_dtype)
 
-    def _account(self, t0: float, n_tokens: int) -> None:
+    def _account(self, t0: float, n_tokens: int, kind: str) -> None:
         dt = time.perf_counter() - t0
         self.counters.busy_s += dt
+        for observe in self.compute_observers:
+            observe(kind, dt, n_tokens)
         if dt > 0:
             rate = n_tokens / dt
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
@@ -384,10 +396,12 @@ class StageNode:
             if peer is None:
                 raise RpcError("no_peers", f"stage {nxt} has no reachable peers (tried {len(tried)})")
             try:
-                return await transport.call(
+                reply = await transport.call(
                     self._p2p, peer.peer_id, self.manifest.run_id, FWD_BWD, down_meta, tensors, timeout,
                     stats=self.stats_out,
                 )
+                self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
+                return reply
             except RpcError as err:
                 last_error = err
                 if err.code not in RETRYABLE:

@@ -92,14 +92,18 @@ class TrainerRecord:
         return asdict(self)
 
 
+DHT_TIMEOUT_S = 10.0  # every DHT call is bounded: a thread blocked forever on a dead DHT process blocks exit
+
+
 def announce(dht: DHT, key: str, subkey: str, value: dict, ttl: float = RECORD_TTL_S) -> bool:
     value = dict(value, updated=time.time())
-    return bool(dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl))
+    future = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl, return_future=True)
+    return bool(future.result(timeout=DHT_TIMEOUT_S))
 
 
 def read_subkeys(dht: DHT, key: str, latest: bool = True) -> dict[str, Any]:
     """All live subkey values of ``key`` ({subkey: value}); empty when the key is unknown."""
-    found = dht.get(key, latest=latest)
+    found = dht.get(key, latest=latest, return_future=True).result(timeout=DHT_TIMEOUT_S)
     if found is None or not isinstance(found.value, dict):
         return {}
     return {str(sub): item.value for sub, item in found.value.items()}

@@ -22,7 +22,7 @@ from agora.config import Manifest
 from agora.data import TokenDataset
 from agora.swarm import transport
 from agora.swarm.node import FWD_BWD, RETRYABLE
-from agora.swarm.records import ANNOUNCE_PERIOD_S, StageRecord, announce, read_swarm, trainers_key
+from agora.swarm.records import ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_swarm, trainers_key
 from agora.swarm.routing import BanList, pick_peer
 from agora.swarm.transport import RpcError, TransferStats
 
@@ -73,6 +73,7 @@ class Trainer:
         self.bans = BanList(self.opts.ban_s)
         self.swarm: list[list[StageRecord]] = [[] for _ in range(manifest.n_stages)]
         self.inflight: dict[str, int] = {}
+        self.acks: dict[str, int] = {}  # head-stage results received, per head peer (receiver-side accounting)
         seed = manifest.seed if data_seed is None else data_seed
         self._batches = shard.batches(manifest.batch.microbatch_size, seed=seed) if shard is not None else None
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="trainer-dht")
@@ -113,6 +114,9 @@ class Trainer:
         value = {"peer_id": self.peer_id, "manifest_hash": self.manifest.hash, "tokens": self.stats.tokens,
                  "loss": loss, "microbatches": asdict(self.stats.counts)}
         await self.run_io(announce, self.dht, trainers_key(self.manifest.run_id), self.peer_id, value)
+        if self.acks:
+            acks = {"manifest_hash": self.manifest.hash, "acks": dict(self.acks)}
+            await self.run_io(announce, self.dht, acks_key(self.manifest.run_id), self.peer_id, acks)
 
     # ------------------------------------------------------------------ one microbatch
     async def _wait_for_full_pipeline(self, stop: asyncio.Event) -> bool:
@@ -148,6 +152,7 @@ class Trainer:
                     self._p2p, peer.peer_id, self.manifest.run_id, FWD_BWD, meta, [tokens, last],
                     self.opts.call_timeout_s, stats=self.transfer,
                 )
+                self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
                 loss = reply.get("loss")
                 return float(loss) if loss is not None else None
             except RpcError as err:

@@ -107,7 +107,10 @@ _OFFLOAD_THRESHOLD_BYTES = 2**20  # (de)serialize bigger messages in a thread so
 INTERNAL = "internal"  # the remote handler raised something that is not an RpcError
 TIMEOUT = "timeout"  # no complete reply within the caller's timeout
 UNREACHABLE = "unreachable"  # could not open a stream to the peer (unknown, offline, wrong address)
-NO_HANDLER = "no_handler"  # the peer is up but serves no such handler (e.g. another run/namespace)
+# The peer is up but serves no such handler (e.g. another run/namespace). Best effort: right after a peer removes a
+# handler, libp2p may still negotiate the protocol lazily from its cached peer info, and the refusal then arrives as
+# "connection_lost". Callers should treat both as "route elsewhere".
+NO_HANDLER = "no_handler"
 CONNECTION_LOST = "connection_lost"  # the stream broke after it was opened
 PAYLOAD_TOO_LARGE = "payload_too_large"
 TRUNCATED = "truncated"  # fewer messages/chunks than the header announced

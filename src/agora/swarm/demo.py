@@ -1,0 +1,387 @@
+"""``agora demo``: a whole swarm on this machine, as separate OS processes on 127.0.0.1.
+
+It starts a bootstrap peer, ``stages x replicas`` stage nodes and the trainers, trains until every stage has taken
+``steps`` optimizer steps, shows live progress, stops everything cleanly, and writes ``summary.json``,
+``loss.png`` and ``report.html``. Every child runs in its own session so that it and its hivemind helper
+processes can be signalled and, if needed, killed as one group by PID, never by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from agora.config import Manifest, load_manifest
+
+console = Console(stderr=True)
+
+
+def even_split(n_layers: int, n_stages: int) -> list[int]:
+    if n_stages > n_layers:
+        raise ValueError(f"--stages {n_stages} is more than the model's {n_layers} layers")
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
+def demo_manifest(preset: str, stages: int) -> Manifest:
+    m = load_manifest(preset)
+    if stages != m.n_stages:
+        m = m.with_overrides(stages=even_split(m.model.n_layers, stages))
+    return m
+
+
+@dataclass
+class Child:
+    role: str
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    summary: Path
+    stage: Optional[int] = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's whole session (its hivemind DHT/averager processes and p2pd included)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Swarm:
+    """The processes of a local swarm and how to start and stop them."""
+
+    def __init__(self, manifest_path: Path, out: Path, threads: int = 1, extra_node_args: Optional[list[str]] = None):
+        self.manifest_path = manifest_path
+        self.out = out
+        self.threads = threads
+        self.extra_node_args = extra_node_args or []
+        self.children: list[Child] = []
+        self.maddr: Optional[str] = None
+        self._counter = 0
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        (out / "procs").mkdir(parents=True, exist_ok=True)
+
+    def _spawn(self, role: str, args: list[str], stage: Optional[int] = None) -> Child:
+        self._counter += 1
+        name = f"{role}{'' if stage is None else stage}-{self._counter}"
+        log = self.out / "logs" / f"{name}.log"
+        summary = self.out / "procs" / f"{name}.json"
+        cmd = [sys.executable, "-m", "agora.cli", role, *args]
+        if role != "bootstrap":
+            cmd += ["--summary", str(summary)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
+        proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        child = Child(role, name, proc, log, summary, stage)
+        self.children.append(child)
+        return child
+
+    def start_bootstrap(self, timeout: float = 60.0) -> str:
+        maddr_file = self.out / "bootstrap.maddr"
+        maddr_file.unlink(missing_ok=True)
+        child = self._spawn("bootstrap", ["--manifest", str(self.manifest_path), "--maddr-file", str(maddr_file)])
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if maddr_file.exists() and maddr_file.read_text().strip():
+                self.maddr = maddr_file.read_text().split()[0]
+                return self.maddr
+            if not child.alive:
+                raise RuntimeError(f"bootstrap exited early; see {child.log}")
+            time.sleep(0.2)
+        raise TimeoutError(f"bootstrap did not print its address within {timeout:.0f}s; see {child.log}")
+
+    def start_node(self, stage: Optional[int]) -> Child:
+        args = ["--manifest", str(self.manifest_path), "--initial-peers", self.maddr,
+                "--stage", "auto" if stage is None else str(stage), "--threads", str(self.threads),
+                *self.extra_node_args]
+        return self._spawn("node", args, stage)
+
+    def start_trainer(self, index: int, count: int, in_flight: int, val_batches: int) -> Child:
+        args = ["--manifest", str(self.manifest_path), "--initial-peers", self.maddr, "--shard", f"{index}/{count}",
+                "--in-flight", str(in_flight), "--val-batches", str(val_batches)]
+        return self._spawn("train", args)
+
+    def nodes(self, alive: bool = True) -> list[Child]:
+        return [c for c in self.children if c.role == "node" and (c.alive or not alive)]
+
+    def stop(self, children: list[Child], timeout: float) -> None:
+        """SIGTERM (graceful leave), wait, then SIGKILL the process group of anything still running."""
+        for c in children:
+            c.signal(signal.SIGTERM)
+        deadline = time.time() + timeout
+        for c in children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                console.print(f"[yellow]{c.name} did not leave within {timeout:.0f}s; killing it[/yellow]")
+        for c in children:
+            c.kill_group()  # also reaps hivemind helpers that outlived a graceful exit
+
+    def shutdown(self) -> None:
+        trainers = [c for c in self.children if c.role == "train"]
+        self.stop(trainers, 90)
+        self.stop(self.nodes(alive=False), 40)
+        self.stop([c for c in self.children if c.role == "bootstrap"], 15)
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def progress_table(snap: dict, steps: int, elapsed: float, events: list[str]) -> Table:
+    t = Table(title=f"agora demo: {snap['run_id']}  ({elapsed:.0f}s)")
+    t.add_column("stage")
+    t.add_column("peers")
+    t.add_column("steps (min..max)")
+    t.add_column("tokens/s")
+    for st in snap["stages"]:
+        serving = [p for p in st["peers"] if p["state"] == "serving"]
+        stp = [p["step"] for p in serving] or [0]
+        t.add_row(str(st["stage"]), f"{len(serving)}/{len(st['peers'])}", f"{min(stp)}..{max(stp)} / {steps}",
+                  f"{sum(p['throughput'] for p in serving):.0f}")
+    losses = [tr.get("loss") for tr in snap["trainers"] if tr.get("loss") == tr.get("loss")]
+    mb = snap["microbatches"]
+    t.caption = (f"loss {losses[0]:.3f}" if losses else "loss -") + (
+        f" | tokens {snap['tokens']} | microbatches {mb.get('completed', 0)}/{mb.get('submitted', 0)} "
+        f"retried {mb.get('retried', 0)} abandoned {mb.get('abandoned', 0)}"
+    ) + ("\n" + "\n".join(events[-3:]) if events else "")
+    return t
+
+
+def run_demo(
+    preset: str = "small",
+    stages: int = 3,
+    replicas: int = 2,
+    trainers: int = 1,
+    steps: int = 30,
+    out: Path = Path("runs/demo"),
+    in_flight: int = 2,
+    chaos: Optional[float] = None,
+    chaos_last: bool = False,
+    val_batches: int = 4,
+    timeout: float = 1800.0,
+    threads: int = 1,
+    dashboard_port: Optional[int] = None,
+    live: bool = True,
+    on_tick: Optional[Callable[[dict], None]] = None,
+    seed: int = 0,
+) -> dict:
+    from agora.swarm.peer import make_dht
+    from agora.swarm.status import swarm_status
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = demo_manifest(preset, stages)
+    manifest_path = out / "manifest.yaml"
+    manifest_path.write_text(manifest.to_yaml())
+    swarm = Swarm(manifest_path, out, threads=threads)
+    rng = random.Random(seed)
+    events: list[str] = []
+    t0 = time.time()
+    dht = None
+    dash = None
+    kills: list[dict] = []
+    timeline: list[dict] = []
+    finished = False
+    try:
+        maddr = swarm.start_bootstrap()
+        dht = make_dht([maddr], client_mode=True)
+        for s in range(manifest.n_stages):
+            for _ in range(replicas):
+                swarm.start_node(s)
+        if dashboard_port is not None:
+            dash = swarm._spawn("dashboard", ["--manifest", str(manifest_path), "--initial-peers", maddr,
+                                              "--port", str(dashboard_port)])
+            events.append(f"dashboard at http://127.0.0.1:{dashboard_port}/")
+        _wait_for_layout(dht, manifest, replicas, swarm, timeout=180)
+        for i in range(trainers):
+            swarm.start_trainer(i, trainers, in_flight, val_batches)
+        next_kill = time.time() + chaos if chaos else None
+        deadline = t0 + timeout
+        with Live(console=console, refresh_per_second=2, transient=False) if live else _Null() as view:
+            while time.time() < deadline:
+                snap = swarm_status(dht, manifest)
+                timeline.append({"t": time.time() - t0, "tokens": snap["tokens"],
+                                 "steps": [min([p["step"] for p in st["peers"] if p["state"] == "serving"] or [0])
+                                           for st in snap["stages"]]})
+                if view is not None:
+                    view.update(progress_table(snap, steps, time.time() - t0, events))
+                if on_tick:
+                    on_tick(snap)
+                if _done(snap, steps):
+                    finished = True
+                    break
+                dead = [c for c in swarm.children if c.role == "train" and not c.alive]
+                if dead:
+                    raise RuntimeError(f"trainer {dead[0].name} exited early; see {dead[0].log}")
+                if next_kill and time.time() >= next_kill:
+                    kills.append(_chaos_kill(swarm, manifest, rng, chaos_last, events, t0))
+                    next_kill = time.time() + chaos
+                time.sleep(1.0)
+        if not finished:
+            events.append(f"timeout after {timeout:.0f}s")
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        swarm.shutdown()
+        if dash is not None:
+            swarm.stop([dash], 10)
+    wall = time.time() - t0
+    summary = summarize(swarm, manifest, wall, steps, replicas, kills, timeline)
+    summary["finished"] = finished
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    from agora.report import write_swarm_report
+
+    write_swarm_report(summary, out)
+    return summary
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _done(snap: dict, steps: int) -> bool:
+    for st in snap["stages"]:
+        serving = [p for p in st["peers"] if p["state"] == "serving"]
+        if not serving or min(p["step"] for p in serving) < steps:
+            return False
+    return True
+
+
+def _wait_for_layout(dht, manifest: Manifest, replicas: int, swarm: Swarm, timeout: float) -> None:
+    from agora.swarm.status import swarm_status
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        snap = swarm_status(dht, manifest)
+        counts = [sum(p["state"] == "serving" for p in st["peers"]) for st in snap["stages"]]
+        if all(c >= replicas for c in counts):
+            return
+        dead = [c for c in swarm.nodes(alive=False) if not c.alive]
+        if dead:
+            raise RuntimeError(f"node {dead[0].name} exited during start-up; see {dead[0].log}")
+        time.sleep(0.5)
+    raise TimeoutError(f"stage peers did not all start serving within {timeout:.0f}s (serving per stage: {counts})")
+
+
+def _chaos_kill(swarm: Swarm, manifest: Manifest, rng: random.Random, allow_last: bool, events: list, t0: float) -> dict:
+    alive = swarm.nodes()
+    by_stage: dict[int, list[Child]] = {}
+    for c in alive:
+        by_stage.setdefault(c.stage, []).append(c)
+    victims = [c for c in alive if allow_last or len(by_stage.get(c.stage, [])) > 1]
+    if not victims:
+        return {}
+    victim = rng.choice(victims)
+    victim.kill_group()
+    replacement = swarm.start_node(None)
+    t = time.time() - t0
+    events.append(f"{t:.0f}s: chaos killed {victim.name}; started {replacement.name} with --stage auto")
+    return {"t": t, "killed": victim.name, "stage": victim.stage, "replacement": replacement.name}
+
+
+def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replicas: int,
+              kills: list[dict], timeline: list[dict]) -> dict:
+    trainers = [s for c in swarm.children if c.role == "train" and (s := read_json(c.summary))]
+    nodes = [(c, s) for c in swarm.children if c.role == "node" and (s := read_json(c.summary))]
+    curve = sorted((p for t in trainers for p in t.get("loss_curve", [])), key=lambda p: p["wall_s"])
+    running = 0
+    merged = []
+    per_trainer: dict[int, int] = {}
+    for i, t in enumerate(trainers):
+        for p in t.get("loss_curve", []):
+            merged.append((p["wall_s"], i, p))
+    for wall_s, i, p in sorted(merged, key=lambda x: x[0]):
+        per_trainer[i] = p["tokens"]
+        running = sum(per_trainer.values())
+        curve.append({})
+    curve = [{"tokens": sum_tokens, "loss": p["loss"], "wall_s": w}
+             for w, p, sum_tokens in _cumulative(merged)]
+    counts = {"submitted": 0, "completed": 0, "retried": 0, "abandoned": 0}
+    for t in trainers:
+        for k in counts:
+            counts[k] += int(t.get("microbatches", {}).get(k, 0))
+    tokens = sum(t.get("tokens", 0) for t in trainers)
+    bytes_per_boundary: dict[str, int] = {}
+    steps_per_stage: dict[str, int] = {}
+    busy: dict[str, float] = {}
+    for c, s in nodes:
+        st = s["stage"]
+        if st < manifest.n_stages - 1:
+            key = f"{st}->{st + 1}"
+            bytes_per_boundary[key] = bytes_per_boundary.get(key, 0) + s.get("bytes_sent_downstream", 0)
+        steps_per_stage[str(st)] = max(steps_per_stage.get(str(st), 0), s.get("step", 0))
+        busy[str(st)] = busy.get(str(st), 0.0) + s["counters"].get("busy_s", 0.0)
+    cpu = {c.name: s.get("cpu_s", 0.0) for c, s in nodes}
+    cpu.update({f"trainer{i}": t.get("cpu_s", 0.0) for i, t in enumerate(trainers)})
+    val = [t["val_loss"] for t in trainers if t.get("val_loss") is not None]
+    stage_procs = {str(s): max(1, sum(1 for c, x in nodes if x["stage"] == s)) for s in range(manifest.n_stages)}
+    return {
+        "kind": "swarm-demo",
+        "run_id": manifest.run_id,
+        "manifest_hash": manifest.hash,
+        "stages": manifest.n_stages,
+        "replicas": replicas,
+        "trainers": len(trainers),
+        "target_steps": steps,
+        "tokens": tokens,
+        "wall_s": wall,
+        "cpu_s_total": sum(cpu.values()),
+        "cpu_s_by_process": cpu,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "tokens_per_cpu_s": tokens / max(1e-9, sum(cpu.values())),
+        "loss_curve": curve,
+        "first_loss": curve[0]["loss"] if curve else None,
+        "final_loss": curve[-1]["loss"] if curve else None,
+        "val_loss": sum(val) / len(val) if val else None,
+        "steps_per_stage": steps_per_stage,
+        "bytes_per_boundary": bytes_per_boundary,
+        "microbatches": counts,
+        "stage_utilisation": {k: v / (wall * stage_procs[k]) for k, v in busy.items()},
+        "rounds_ok": sum(s.get("rounds_ok", 0) for _, s in nodes),
+        "rounds_failed": sum(s.get("rounds_failed", 0) for _, s in nodes),
+        "chaos_kills": kills,
+        "timeline": timeline,
+    }
+
+
+def _cumulative(merged):
+    """Turn per-trainer (wall, index, point) records into swarm-wide cumulative tokens at each loss point."""
+    latest: dict[int, int] = {}
+    for wall_s, i, p in sorted(merged, key=lambda x: x[0]):
+        latest[i] = p["tokens"]
+        yield wall_s, p, sum(latest.values())
