@@ -250,6 +250,25 @@ def demo(
         raise typer.Exit(1)
 
 
+@app.command()
+def dashboard(
+    manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
+    initial_peers: List[str] = PeersOpt,
+    host: str = typer.Option("127.0.0.1", help="address to serve the page on (0.0.0.0 to share it)"),
+    port: int = typer.Option(8080, help="HTTP port of the page"),
+    interval: float = typer.Option(1.5, min=0.2, help="seconds between DHT polls"),
+    summary: Optional[str] = typer.Option(None, help="write the dashboard's history and events here on exit"),
+    log_level: str = LogOpt,
+) -> None:
+    """Live web dashboard: stages, peers, tokens/s, loss, verified contributions and events, at http://HOST:PORT/."""
+    from agora.dashboard.server import run_dashboard
+    from agora.swarm.peer import setup_logging
+
+    setup_logging(log_level)
+    m = _manifest(manifest)
+    raise typer.Exit(_join_errors(lambda: run_dashboard(m, initial_peers, host, port, interval, summary)))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("agora.averaging")
 
 POLL_S = 0.3
+ZERO_SAMPLE_WEIGHT = 1e-6  # hivemind requires positive weights; this keeps an empty replica's influence < fp32 eps
 
 
 def parameter_fingerprint(module: torch.nn.Module) -> float:
@@ -73,6 +74,7 @@ class ReplicaSync:
         self.resyncs = 0
         self.round_durations: list[float] = []
         self._announced_samples, self._announced_at = 0, 0.0
+        self.averaging_step = -1
         self.round_observers: list = []  # called with (ok: bool, seconds: float, group_size: int)
 
     def shutdown(self) -> None:
@@ -146,18 +148,21 @@ class ReplicaSync:
                            f"step {n.step}; adopting its state")
             await self.download_from(diverged[0])
             return
+        if any(r.averaging_step == n.step for r in same):
+            # A replica started the round for our step: join it, even with nothing accumulated, so that every
+            # replica applies the same update (a zero-sample member carries a negligible weight).
+            await self.round(len(same))
+            return
         if n.samples == 0:
             return
         if n.samples != self._announced_samples and time.monotonic() - self._announced_at > 0.5:
             # Replicas decide from each other's sample counts: keep ours fresh while we accumulate.
             self._announced_samples, self._announced_at = n.samples, time.monotonic()
             await n.announce()
-        # Replicas with nothing accumulated will not join the round; they catch up by downloading our state.
-        contributing = [r for r in same if r.samples > 0]
-        total = n.samples + sum(r.samples for r in contributing)
+        total = n.samples + sum(r.samples for r in same)
         stalled = time.monotonic() - n.last_sample_time > n.opts.stall_step_s
         if total >= self.target or stalled:
-            await self.round(len(contributing), stalled=stalled and total < self.target)
+            await self.round(len(same), stalled=stalled and total < self.target)
 
     async def round(self, n_others: int, stalled: bool = False) -> None:
         n = self.node
@@ -166,15 +171,23 @@ class ReplicaSync:
         averaged: Optional[list[torch.Tensor]] = None
         group = 1
         if n_others > 0:
+            self.averaging_step = n.step
+            await n.announce()  # tells replicas to join now, instead of when their own counts catch up
             with self.averager.get_tensors() as bufs:
                 for b, g in zip(bufs, grads):
                     b.copy_(g)
-            result = await n.run_io(
-                lambda: self.averager.step(
-                    weight=float(samples), gather={"step": n.step, "samples": samples},
-                    timeout=n.opts.averaging_timeout_s, allow_retries=True,
+            try:
+                result = await n.run_io(
+                    lambda: self.averager.step(
+                        weight=max(float(samples), ZERO_SAMPLE_WEIGHT), gather={"step": n.step, "samples": samples},
+                        timeout=n.opts.averaging_timeout_s, allow_retries=True,
+                    )
                 )
-            )
+            except Exception as err:  # hivemind raises when no group formed; that is a failed round, not a crash
+                logger.warning(f"stage {n.stage_index}: averaging failed: {err!r}")
+                result = None
+            finally:
+                self.averaging_step = -1
             if result is not None:
                 group = len(result)
                 steps = {g.get("step") for g in result.values() if isinstance(g, dict)}

@@ -204,6 +204,7 @@ class StageNode:
             step=self.step,
             samples=self.samples,
             fingerprint=self.sync.fingerprint if self.sync else 0.0,
+            averaging_step=self.sync.averaging_step if self.sync else -1,
             metrics={
                 "forward": c.forward, "backward": c.backward, "tokens": c.tokens, "retried": c.retried,
                 "failed": c.failed, "rejected": c.rejected, "loss": self.loss_ema,

@@ -62,6 +62,7 @@ class StageRecord:
     step: int = 0
     samples: int = 0  # samples accumulated toward the next optimizer step
     fingerprint: float = 0.0  # checksum of the parameters after ``step`` (replicas must agree)
+    averaging_step: int = -1  # the step this peer is averaging gradients for right now (-1: not averaging)
     addrs: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     updated: float = 0.0

@@ -119,7 +119,7 @@ def run_node(manifest: Manifest, stage: str, initial_peers: Sequence[str], host:
         if metrics_port is not None:
             from agora.metrics import serve_node_metrics
 
-            serve_node_metrics(node, metrics_port)
+            serve_node_metrics(node, metrics_port, host=host)  # same interface as the node's listener
         if attack:
             from agora.security.attacks import install_attack
 

@@ -1,0 +1,104 @@
+"""Prometheus /metrics of a live node: counters read at scrape time, histograms fed by the observer hooks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import psutil
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from agora.config import load_manifest
+from agora.metrics import serve_node_metrics
+from agora.swarm.trainer import Trainer
+from swarm_util import local_swarm
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of one scrape."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _batch(man, seed: int, b: int = 8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, man.model.vocab_size, (b, man.model.seq_len + 1), generator=g)
+
+
+def test_node_metrics_grow_with_work():
+    man = load_manifest("tiny")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    async def main():
+        async with local_swarm(man, [0, 1]) as (boot, peers, nodes):
+            head, tail = nodes
+            servers = [serve_node_metrics(n, 0, host="127.0.0.1") for n in nodes]
+            try:
+                trainer = Trainer(man, boot, shard=None)
+                await trainer.start()
+                await trainer.send(_batch(man, 1))
+                first = [await asyncio.to_thread(scrape, s.url) for s in servers]
+                for seed in (2, 3, 4):
+                    await trainer.send(_batch(man, seed))
+                # 4 microbatches of 8 = 2 target batches of 16: wait for the averager's local steps to land.
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline and min(n.step for n in nodes) < 2:
+                    await asyncio.sleep(0.2)
+                second = [await asyncio.to_thread(scrape, s.url) for s in servers]
+                trainer.close()
+                return first, second, [n.step for n in nodes], [n.counters.tokens for n in nodes]
+            finally:
+                for s in servers:
+                    s.close()
+                assert not head.compute_observers and not tail.compute_observers  # close() detached its hooks
+
+    first, second, steps, tokens = asyncio.run(main())
+    h1, h2 = first[0], second[0]
+    t1, t2 = first[1], second[1]
+
+    # Counters read from the node at scrape time.
+    assert h1[("agora_tokens_total", ())] == 8 * man.model.seq_len
+    assert h2[("agora_tokens_total", ())] == tokens[0] == 4 * 8 * man.model.seq_len
+    fwd = ("agora_microbatches_total", (("kind", "forward"),))
+    bwd = ("agora_microbatches_total", (("kind", "backward"),))
+    assert (h1[fwd], h2[fwd], h2[bwd]) == (1, 4, 4)
+    assert (t1[fwd], t2[fwd], t2[bwd]) == (1, 4, 4)
+    sent = ("agora_boundary_payload_bytes_total", (("boundary", "0->1"), ("direction", "sent")))
+    got = ("agora_boundary_payload_bytes_total", (("boundary", "0->1"), ("direction", "received")))
+    assert 0 < h1[sent] < h2[sent]
+    assert t2[got] == h2[sent]  # both ends of the boundary count the same payload
+    assert ("agora_queue_depth", ()) in h2
+    assert h2[("agora_peer_state", (("agora_peer_state", "serving"),))] == 1
+    assert h2[("agora_optimizer_step", ())] == steps[0] >= 2
+    assert h2[("agora_averaging_rounds_total", (("outcome", "local"),))] >= 2  # single replica: local steps
+    assert ("agora_loss_ema", ()) in t2 and ("agora_loss_ema", ()) not in h2  # only the tail sees the loss
+    assert h2[("agora_acknowledged_results_total", (("downstream_peer", tail_id(second[1])),))] == 4
+
+    # Histograms fed by the observer hooks.
+    fcount = ("agora_compute_seconds_count", (("kind", "forward"),))
+    assert (h1[fcount], h2[fcount]) == (1, 4)
+    assert h2[("agora_compute_seconds_count", (("kind", "backward"),))] == 4
+    assert h2[("agora_compute_seconds_sum", (("kind", "forward"),))] > 0
+    assert h2[("agora_averaging_round_seconds_count", (("outcome", "ok"),))] >= 2
+
+    # Nothing left running: hivemind's DHT processes and p2p daemons of this test are gone.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        # torch_shm_manager is torch's per-process shared-memory helper: it ends with this test process.
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE and p.name() != "torch_shm_manager"]
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, f"processes left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+def tail_id(tail_scrape: dict) -> str:
+    return next(dict(labels)["peer_id"] for (name, labels) in tail_scrape if name == "agora_peer_info")

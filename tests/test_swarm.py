@@ -1,0 +1,169 @@
+"""Swarm acceptance: replicas agree, bad input is refused without harm, mismatched manifests are refused,
+and the demo runs end to end without leaving processes behind."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from agora.config import load_manifest
+from agora.swarm import transport
+from agora.swarm.node import FWD_BWD, NodeOptions
+from agora.swarm.trainer import Trainer
+from swarm_util import local_swarm
+
+MAN = load_manifest("tiny")
+
+
+def _batches(n, b=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, MAN.model.vocab_size, (b, MAN.model.seq_len + 1), generator=g) for _ in range(n)]
+
+
+async def _wait(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def test_replicas_hold_identical_parameters_after_steps():
+    opts = NodeOptions(stall_step_s=3.0, averaging_timeout_s=15.0)
+
+    async def main():
+        async with local_swarm(MAN, [0, 0, 1, 1], opts) as (boot, peers, nodes):
+            trainer = Trainer(MAN, boot, shard=None)
+            await trainer.start()
+            await _wait(lambda: all(len(s) == 2 for s in trainer.swarm), 30, "all replicas to announce")
+            for round_ in range(2):
+                # Concurrent microbatches spread over both replicas of each stage (routing by expected finish).
+                losses = await asyncio.gather(*(trainer.send(b) for b in _batches(8, seed=round_)))
+                assert all(x is not None for x in losses)
+                target = round_ + 1
+                await _wait(lambda: all(n.step >= target and n.samples == 0 for n in nodes), 60, f"step {target}")
+                await _wait(lambda: len({n.step for n in nodes if n.stage_index == 0}) == 1
+                            and len({n.step for n in nodes if n.stage_index == 1}) == 1, 30, "replicas at one step")
+                for stage in (0, 1):
+                    a, b = [n for n in nodes if n.stage_index == stage]
+                    diff = max((pa - pb).abs().max().item() for pa, pb in
+                               zip(a.stage.parameters(), b.stage.parameters()))
+                    assert diff < 1e-6, (stage, a.step, b.step, diff)
+            trainer.close()
+            return [n.sync.rounds_ok for n in nodes]
+
+    rounds = asyncio.run(main())
+    assert sum(rounds) >= 2  # replicas really averaged, not just stepped alone
+
+
+def test_bad_inputs_get_clear_errors_and_server_keeps_serving():
+    async def main():
+        async with local_swarm(MAN, [0, 1]) as (boot, peers, nodes):
+            tail = nodes[1]
+            p2p = await boot.replicate_p2p()
+            good_meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 1, "train": False}
+            b, t, k = 2, MAN.model.seq_len, MAN.residual.k
+            tokens = torch.randint(0, MAN.model.vocab_size, (b, t), dtype=torch.int32)
+            last = torch.randint(0, MAN.model.vocab_size, (b,), dtype=torch.int32)
+            good = [torch.randn(b, t, k), tokens, last]
+            nan = good[0].clone()
+            nan[0, 0, 0] = float("nan")
+            cases = {
+                "shape_mismatch": (good_meta, [torch.randn(b, t, k + 1), tokens, last]),
+                "dtype_mismatch": (good_meta, [torch.randn(b, t, k, dtype=torch.float64), tokens, last]),
+                "non_finite": (good_meta, [nan, tokens, last]),
+                "wrong_stage": (dict(good_meta, stage=5), good),
+                "wrong_run": (dict(good_meta, run_id="someone-else"), good),
+                "manifest_mismatch": (dict(good_meta, manifest_hash="0" * 16), good),
+                "bad_token": (good_meta, [good[0], tokens.clone().fill_(MAN.model.vocab_size), last]),
+            }
+            codes = {}
+            for expected, (meta, tensors) in cases.items():
+                with pytest.raises(transport.RpcError) as err:
+                    await transport.call(p2p, tail.peer_id, MAN.run_id, FWD_BWD, meta, tensors, timeout=20)
+                codes[expected] = err.value.code
+                # ... and the server still serves a valid request right after.
+                reply, _ = await transport.call(p2p, tail.peer_id, MAN.run_id, FWD_BWD, good_meta, good, timeout=20)
+                assert reply["loss"] > 0
+            return codes, tail.counters.rejected
+
+    codes, rejected = asyncio.run(main())
+    assert codes == {k: k for k in codes}, codes
+    assert rejected == len(codes)
+
+
+def _agora(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "agora.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+
+
+def _kill_tree(proc):
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def test_node_with_another_manifest_exits_naming_both_hashes(tmp_path):
+    maddr_file = tmp_path / "boot.maddr"
+    boot = _agora("bootstrap", "--manifest", "tiny", "--maddr-file", str(maddr_file))
+    try:
+        deadline = time.time() + 60
+        while not (maddr_file.exists() and maddr_file.read_text().strip()):
+            assert time.time() < deadline and boot.poll() is None, "bootstrap did not start"
+            time.sleep(0.2)
+        other = MAN.with_overrides(**{"optimizer.lr": 0.01})
+        path = tmp_path / "other.yaml"
+        path.write_text(other.to_yaml())
+        node = _agora("node", "--manifest", str(path), "--stage", "0", "--initial-peers",
+                      maddr_file.read_text().split()[0])
+        try:
+            out, _ = node.communicate(timeout=120)
+        finally:
+            _kill_tree(node)
+        assert node.returncode == 3, out
+        flat = " ".join(out.split())
+        assert MAN.hash in flat and other.hash in flat and "manifest mismatch" in flat
+    finally:
+        _kill_tree(boot)
+
+
+def _processes_mentioning(text):
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(text in part for part in (p.info["cmdline"] or [])):
+                found.append(p.info["pid"])
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_demo_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "agora.cli", "demo", "--stages", "2", "--replicas", "2", "--preset", "tiny",
+         "--steps", "3", "--out", str(out), "--no-live", "--timeout", "400"],
+        capture_output=True, text=True, timeout=500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("tokens", "wall_s", "cpu_s_by_process", "tokens_per_s", "loss_curve", "steps_per_stage",
+                "bytes_per_boundary", "microbatches", "val_loss"):
+        assert key in summary, key
+    assert all(summary["microbatches"][k] >= 0 for k in ("submitted", "completed", "retried", "abandoned"))
+    assert summary["microbatches"]["completed"] > 0
+    assert min(summary["steps_per_stage"].values()) >= 3
+    assert summary["bytes_per_boundary"]["0->1"] > 0
+    curve = [p["loss"] for p in summary["loss_curve"]]
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3  # the loss went down
+    assert (out / "report.html").exists() and "data:image/png;base64" in (out / "report.html").read_text()
+    time.sleep(1)
+    assert _processes_mentioning(str(out)) == []
