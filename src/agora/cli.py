@@ -89,6 +89,18 @@ def bench_compression(
     print(json.dumps(result["bytes"], indent=2))
 
 
+@bench_app.command("rpc")
+def bench_rpc(
+    out: Path = typer.Option(Path("bench-out/rpc")),
+    repeats: int = typer.Option(20, help="round trips per payload"),
+    microbatches: int = typer.Option(10, help="microbatches for the overhead measurement"),
+) -> None:
+    """Round trip of one stage hop on loopback (p50/p95) and the share of a microbatch spent outside compute."""
+    from agora.bench.rpc import run
+
+    run(out, repeats=repeats, microbatches=microbatches, log=console.print)
+
+
 # ---------------------------------------------------------------------------------------------- swarm roles
 PeersOpt = typer.Option([], "--initial-peers", help="multiaddr(s) of any running peer, e.g. from `agora bootstrap`")
 HostOpt = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for a public node)")

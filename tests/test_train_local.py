@@ -1,0 +1,21 @@
+"""The centralized baseline trains, and writes what benchmarks compare against."""
+
+import json
+
+from agora.config import load_manifest
+from agora.train_local import train_local
+
+
+def test_fifty_tiny_steps_lower_the_loss_and_write_outputs(tmp_path):
+    summary = train_local(load_manifest("tiny"), steps=50, out_dir=tmp_path, val_batches=4)
+    losses = summary["train_loss"]
+    assert len(losses) == 50
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, (losses[:5], losses[-5:])
+    written = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("tokens", "wall_s", "cpu_s", "tokens_per_s", "train_loss", "val_loss", "parameters",
+                "flops_per_token"):
+        assert key in written, key
+    assert written["tokens"] == 50 * 16 * 64
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    html = (tmp_path / "report.html").read_text()
+    assert html.count("data:image/png;base64") >= 2
