@@ -89,6 +89,22 @@ def bench_compression(
     print(json.dumps(result["bytes"], indent=2))
 
 
+@bench_app.command("chaos")
+def bench_chaos(
+    out: Path = typer.Option(Path("bench-out/chaos")),
+    minutes: float = typer.Option(5.0, help="training time of the clean run; the chaos run trains to its token count"),
+    preset: str = typer.Option("small"),
+    stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=2),
+    kill_every: float = typer.Option(20.0, help="seconds between chaos kills"),
+) -> None:
+    """Training under churn vs without: steps/min, kill-to-next-microbatch, stalls, abandoned work, loss, drift."""
+    from agora.bench.chaos import run
+
+    result = run(out, minutes=minutes, preset=preset, stages=stages, replicas=replicas, kill_every=kill_every,
+                 log=console.print)
+    print(json.dumps(result["headline"], indent=2))
+
+
 @bench_app.command("rpc")
 def bench_rpc(
     out: Path = typer.Option(Path("bench-out/rpc")),
@@ -99,6 +115,20 @@ def bench_rpc(
     from agora.bench.rpc import run
 
     run(out, repeats=repeats, microbatches=microbatches, log=console.print)
+
+
+@bench_app.command("efficiency")
+def bench_efficiency(
+    out: Path = typer.Option(Path("bench-out/efficiency")),
+    preset: str = typer.Option("small"),
+    steps: int = typer.Option(20, help="optimizer steps of each run (equal token budget)"),
+    stages: int = typer.Option(3), replicas: int = typer.Option(2),
+    in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
+) -> None:
+    """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
+    from agora.bench.efficiency import run
+
+    run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight, log=console.print)
 
 
 # ---------------------------------------------------------------------------------------------- swarm roles
@@ -156,6 +186,7 @@ def node(
     checkpoint_dir: Optional[str] = typer.Option(None, help="save stage checkpoints here"),
     checkpoint_every: int = typer.Option(0, help="save every N optimizer steps (and always on leave)"),
     metrics_port: Optional[int] = typer.Option(None, help="serve Prometheus /metrics on this port"),
+    rebalance_every: float = typer.Option(15.0, help="seconds between checks whether to move to a weaker stage (0: never)"),
     summary: Optional[str] = typer.Option(None, help="write a JSON summary of this node here"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads for this node"),
     attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): KIND[:strength]"),
@@ -169,7 +200,8 @@ def node(
     setup_logging(log_level)
     _enable_stack_dumps()
     m = _manifest(manifest)
-    opts = NodeOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads)
+    opts = NodeOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
+                       rebalance_every_s=rebalance_every)
     raise typer.Exit(_join_errors(lambda: run_node(
         m, stage, initial_peers, host, port, announce_host, identity, opts, summary=summary, resume=resume,
         metrics_port=metrics_port, attack=attack)))
@@ -242,6 +274,9 @@ def demo(
     timeout: float = typer.Option(1800.0, help="give up after this many seconds"),
     threads: int = typer.Option(1, help="torch threads per process"),
     no_live: bool = typer.Option(False, "--no-live", help="no live table (for logs and CI)"),
+    checkpoint_dir: Optional[Path] = typer.Option(None, help="nodes save stage checkpoints here"),
+    checkpoint_every: int = typer.Option(0, help="nodes save every N optimizer steps (and always on leave)"),
+    resume: Optional[Path] = typer.Option(None, help="nodes restore their stage from this checkpoint folder"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.swarm.demo import run_demo
@@ -250,6 +285,7 @@ def demo(
         preset=preset, stages=stages, replicas=replicas, trainers=trainers, steps=steps, out=out,
         in_flight=in_flight, chaos=chaos, chaos_last=chaos_last, timeout=timeout, threads=threads,
         dashboard_port=dashboard_port if dashboard else None, live=not no_live,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
     )
     mb = summary["microbatches"]
     console.print(
@@ -267,7 +303,7 @@ def dashboard(
     manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
     initial_peers: List[str] = PeersOpt,
     host: str = typer.Option("127.0.0.1", help="address to serve the page on (0.0.0.0 to share it)"),
-    port: int = typer.Option(8080, help="HTTP port of the page"),
+    port: int = typer.Option(8080, help="HTTP port of the page (0: any free port, printed on start)"),
     interval: float = typer.Option(1.5, min=0.2, help="seconds between DHT polls"),
     summary: Optional[str] = typer.Option(None, help="write the dashboard's history and events here on exit"),
     log_level: str = LogOpt,

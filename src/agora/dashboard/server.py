@@ -94,7 +94,7 @@ def diff_events(prev: Optional[dict], snap: dict, now: float) -> list[dict]:
                 add("stage", f"stage {st_new['stage']} has no serving peer: the pipeline is stalled", "bad",
                     stage=st_new["stage"])
             elif not _serving(st_old) and _serving(st_new):
-                add("stage", f"stage {st_new['stage']} is serving again", stage=st_new["stage"])
+                add("stage", f"stage {st_new['stage']} has a serving peer", stage=st_new["stage"])
     old_t = {t.get("peer_id"): t for t in (prev or {}).get("trainers", [])}
     new_t = {t.get("peer_id"): t for t in snap.get("trainers", [])}
     for pid in new_t.keys() - old_t.keys():
@@ -246,7 +246,8 @@ def run_dashboard(manifest, initial_peers: Sequence[str], host: str = "127.0.0.1
         runner = web.AppRunner(make_app(state), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
-        print(f"dashboard at http://{host}:{port}/", flush=True)
+        bound = runner.addresses[0][1] if runner.addresses else port  # --port 0: the OS picked a free one
+        print(f"dashboard at http://{host}:{bound}/", flush=True)
         poller = asyncio.create_task(poll_forever(state, lambda: swarm_status(dht, manifest), interval, executor))
         try:
             await stop.wait()

@@ -12,6 +12,13 @@ bit-identical.
 
 Repair instead of hope: a replica that finds another one ahead of it, or one at the same step with different
 parameters (a failed round, a missed step), downloads the full state from it. Joining peers do the same.
+
+Failures inside a round are bounded: matchmaking gives up after ``averaging_timeout_s``, a running all-reduce after
+hivemind's ``allreduce_timeout``, and while we look for a group we watch the DHT: once no replica at our step is
+left (its record expired: it died), we cancel and step on our own gradients rather than wait out the timeout.
+Survivors of a broken round may hold slightly different parameters (parts of the all-reduce missing); the
+fingerprint comparison then makes every replica adopt the state of the one with the smallest peer id, keeping its
+own accumulated gradients (they are as good an estimate on the adopted parameters), so replicas never drift.
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ class ReplicaSync:
             shutdown_timeout=2,
         )
         self.fingerprint = parameter_fingerprint(node.stage)
+        self.fingerprint_step = node.step  # the step ``fingerprint`` was computed at (records carry it only then)
+        self.lock = asyncio.Lock()  # held for a whole tick: a stage move waits for it, so never stops a round midway
+        self.aborted_rounds = 0
         self.rounds_ok = 0
         self.rounds_failed = 0
         self.local_steps = 0
@@ -89,8 +99,12 @@ class ReplicaSync:
         recs = await n.run_io(read_stage, n.dht, n.manifest.run_id, n.stage_index, n.manifest.hash)
         return [r for r in recs if r.peer_id != n.peer_id]
 
-    async def download_from(self, peer: StageRecord, timeout: float = 60.0) -> bool:
-        """Copy parameters + optimizer state + step from ``peer``; bounded by ``timeout``."""
+    async def download_from(self, peer: StageRecord, timeout: float = 60.0, keep_grads: bool = False) -> bool:
+        """Copy parameters + optimizer state + step from ``peer``; bounded by ``timeout``.
+
+        ``keep_grads``: keep the gradients accumulated toward the next step (a same-step repair); a download that
+        changes the step drops them, since they belong to a step the replicas already took.
+        """
         n = self.node
         meta = {"run_id": n.manifest.run_id, "manifest_hash": n.manifest.hash, "stage": n.stage_index}
         t0 = time.monotonic()
@@ -99,24 +113,57 @@ class ReplicaSync:
         except RpcError as err:
             logger.warning(f"state download from {peer.peer_id[-8:]} failed: {err}")
             return False
-        await n.run_compute(n.import_state, reply["step"], reply["names"], tensors)
-        self.fingerprint = await n.run_compute(parameter_fingerprint, n.stage)
+
+        def load() -> None:
+            n.import_state(reply["step"], reply["names"], tensors, keep_grads=keep_grads)
+            self._set_fingerprint()
+
+        try:
+            await n.run_compute(load)
+        except ValueError as err:  # a malformed state must not replace ours
+            logger.warning(f"state from {peer.peer_id[-8:]} refused: {err}")
+            return False
         self.resyncs += 1
         n.log_event("synced", source=peer.peer_id, step=n.step, seconds=time.monotonic() - t0)
         logger.info(f"stage {n.stage_index}: loaded step {n.step} from {peer.peer_id[-8:]} in {time.monotonic() - t0:.1f}s")
         return True
 
-    async def initial_sync(self, attempts: int = 3) -> None:
-        """A joining peer takes the state of the freshest serving replica; the first replica starts from the seed."""
-        for _ in range(attempts):
+    def _set_fingerprint(self) -> None:
+        """Compute thread only, right after the parameters changed, so record and parameters agree."""
+        self.fingerprint = parameter_fingerprint(self.node.stage)
+        self.fingerprint_step = self.node.step
+
+    @property
+    def fingerprint_valid(self) -> bool:
+        return self.fingerprint_step == self.node.step
+
+    async def initial_sync(self, timeout: float = 120.0, attempts: int = 5) -> bool:
+        """Take the state of the freshest serving replica before serving; bounded by ``timeout`` and ``attempts``.
+
+        True when in sync with the freshest replica (or when there is none: the first replica starts from the seed
+        or its checkpoint). Replicas may step while we download, so we check again after each download. False when
+        replicas exist but none delivered its state: the caller decides (a joining node still serves and resyncs
+        later, a moving node goes back to its old stage).
+        """
+        n = self.node
+        deadline = time.monotonic() + timeout
+        failures = 0
+        while failures < attempts and time.monotonic() < deadline:
             serving = [r for r in await self.replicas() if r.state == PeerState.SERVING.value]
-            if not serving or max(r.step for r in serving) <= self.node.step:
-                return
+            if not serving:
+                return True
             best = max(r.step for r in serving)
-            if await self.download_from(random.choice([r for r in serving if r.step == best])):
-                return
-        logger.warning(f"stage {self.node.stage_index}: could not download state after {attempts} attempts; "
-                       f"serving from step {self.node.step}, will resync when a replica answers")
+            freshest = [r for r in serving if r.step == best]
+            same_state = any(r.fingerprint == self.fingerprint for r in freshest) or not any(r.fingerprint for r in freshest)
+            if best < n.step or (best == n.step and same_state):
+                return True
+            if await self.download_from(random.choice(freshest), timeout=max(1.0, min(60.0, deadline - time.monotonic()))):
+                continue
+            failures += 1
+            await asyncio.sleep(0.5)
+        logger.warning(f"stage {n.stage_index}: could not get the state of a replica within {timeout:.0f}s "
+                       f"({failures} failed downloads); at step {n.step}")
+        return False
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -124,7 +171,8 @@ class ReplicaSync:
         while True:
             await asyncio.sleep(POLL_S)
             try:
-                await self._tick()
+                async with self.lock:
+                    await self._tick()
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # keep the node alive; the next tick retries with fresh records
@@ -132,7 +180,7 @@ class ReplicaSync:
 
     async def _tick(self) -> None:
         n = self.node
-        if n.state == PeerState.LEAVING:
+        if n.state != PeerState.SERVING:
             return
         others = [r for r in await self.replicas() if r.state in (PeerState.SERVING.value, PeerState.SYNCING.value)]
         ahead = [r for r in others if r.step > n.step and r.state == PeerState.SERVING.value]
@@ -142,13 +190,18 @@ class ReplicaSync:
             await self.download_from(random.choice([r for r in ahead if r.step == best]))
             return
         same = [r for r in others if r.step == n.step and r.state == PeerState.SERVING.value]
-        diverged = [r for r in same if r.fingerprint != self.fingerprint and r.peer_id < n.peer_id and r.samples == 0]
-        if diverged and n.samples == 0:
-            logger.warning(f"stage {n.stage_index}: parameters differ from replica {diverged[0].peer_id[-8:]} at "
-                           f"step {n.step}; adopting its state")
-            await self.download_from(diverged[0])
-            return
-        if any(r.averaging_step == n.step for r in same):
+        averaging = any(r.averaging_step == n.step for r in same)
+        if not averaging and self.fingerprint_valid:
+            # Same step, different parameters (a broken round, a local fallback step): everyone adopts the state of
+            # the replica with the smallest peer id. No round is running for this step, so none is cut short.
+            known = [r for r in same if r.fingerprint]
+            leader = min(known, key=lambda r: r.peer_id, default=None)
+            if leader is not None and leader.peer_id < n.peer_id and leader.fingerprint != self.fingerprint:
+                logger.warning(f"stage {n.stage_index}: parameters differ from replica {leader.peer_id[-8:]} at "
+                               f"step {n.step}; adopting its state")
+                await self.download_from(leader, keep_grads=True)
+                return
+        if averaging:
             # A replica started the round for our step: join it, even with nothing accumulated, so that every
             # replica applies the same update (a zero-sample member carries a negligible weight).
             await self.round(len(same))
@@ -164,6 +217,52 @@ class ReplicaSync:
         if total >= self.target or stalled:
             await self.round(len(same), stalled=stalled and total < self.target)
 
+    async def _partners_left(self, step: int) -> bool:
+        """Whether any other replica that could still be in our round for ``step`` is alive in the DHT."""
+        recs = await self.replicas()
+        return any(r.state == PeerState.SERVING.value and (r.step == step or r.averaging_step == step) for r in recs)
+
+    async def _average(self, samples: int, grads: list[torch.Tensor]) -> Optional[dict]:
+        """One all-reduce of ``grads`` with the replicas at our step; None if it failed or was given up."""
+        n = self.node
+        step = n.step
+        timeout = n.opts.averaging_timeout_s
+        with self.averager.get_tensors() as bufs:
+            for b, g in zip(bufs, grads):
+                b.copy_(g)
+        control = await n.run_io(
+            lambda: self.averager.step(
+                weight=max(float(samples), ZERO_SAMPLE_WEIGHT), gather={"step": step, "samples": samples},
+                timeout=timeout, allow_retries=True, wait=False,
+            )
+        )
+        # Hard bound: matchmaking (timeout) + one all-reduce (allreduce_timeout) + slack. hivemind enforces both;
+        # this only guards against a wedged averager process.
+        hard_deadline = time.monotonic() + 2 * timeout + 10.0
+        next_check = time.monotonic() + 2.0
+        while not control.done():
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            if now > hard_deadline:
+                logger.warning(f"stage {n.stage_index}: averaging did not finish within {2 * timeout + 10:.0f}s")
+                control.cancel()
+                return None
+            if now > next_check and not control.began_allreduce:
+                next_check = now + 1.0
+                if not await self._partners_left(step):
+                    # Everyone we could average with is gone (records expired: crashed, or moved on without us):
+                    # waiting for the matchmaking timeout would only stall this stage.
+                    control.cancel()
+                    self.aborted_rounds += 1
+                    logger.warning(f"stage {n.stage_index}: no replica left for the round of step {step}; "
+                                   f"stepping locally")
+                    return None
+        try:
+            return control.result(timeout=0)
+        except BaseException as err:  # hivemind raises when no group formed; a failed round, not a crash
+            logger.warning(f"stage {n.stage_index}: averaging failed: {err!r}")
+            return None
+
     async def round(self, n_others: int, stalled: bool = False) -> None:
         n = self.node
         t0 = time.monotonic()
@@ -173,19 +272,8 @@ class ReplicaSync:
         if n_others > 0:
             self.averaging_step = n.step
             await n.announce()  # tells replicas to join now, instead of when their own counts catch up
-            with self.averager.get_tensors() as bufs:
-                for b, g in zip(bufs, grads):
-                    b.copy_(g)
             try:
-                result = await n.run_io(
-                    lambda: self.averager.step(
-                        weight=max(float(samples), ZERO_SAMPLE_WEIGHT), gather={"step": n.step, "samples": samples},
-                        timeout=n.opts.averaging_timeout_s, allow_retries=True,
-                    )
-                )
-            except Exception as err:  # hivemind raises when no group formed; that is a failed round, not a crash
-                logger.warning(f"stage {n.stage_index}: averaging failed: {err!r}")
-                result = None
+                result = await self._average(samples, grads)
             finally:
                 self.averaging_step = -1
             if result is not None:
@@ -202,8 +290,12 @@ class ReplicaSync:
         if averaged is None:
             averaged = grads
             self.local_steps += 1
-        await n.run_compute(n.apply_step, [g.float() for g in averaged])
-        self.fingerprint = await n.run_compute(parameter_fingerprint, n.stage)
+
+        def step() -> None:
+            n.apply_step([g.float() for g in averaged])
+            self._set_fingerprint()
+
+        await n.run_compute(step)
         dt = time.monotonic() - t0
         self.round_durations.append(dt)
         del self.round_durations[:-100]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -28,11 +29,17 @@ def save_stage_checkpoint(
     folder = stage_dir(root, stage)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(step), "stage": str(stage), "manifest_hash": manifest.hash, "run_id": manifest.run_id}
-    # The step lives inside the safetensors header, so weights and step are replaced in one atomic rename.
-    tmp = folder / "state.safetensors.tmp"
-    save_file({n: t.contiguous() for n, t in zip(names, tensors)}, str(tmp), metadata=meta)
-    os.replace(tmp, folder / "state.safetensors")
-    (folder / "meta.json").write_text(json.dumps(meta, indent=1))  # human-readable copy only
+    # The step lives inside the safetensors header, so weights and step are replaced in one atomic rename. The
+    # temporary name is unique per writer: replicas of a stage sharing DIR may save at the same moment.
+    tmp = folder / f"state.safetensors.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        save_file({n: t.contiguous() for n, t in zip(names, tensors)}, str(tmp), metadata=meta)
+        os.replace(tmp, folder / "state.safetensors")
+    finally:
+        tmp.unlink(missing_ok=True)
+    meta_tmp = folder / f"meta.json.{os.getpid()}.{threading.get_ident()}.tmp"
+    meta_tmp.write_text(json.dumps(meta, indent=1))  # human-readable copy only
+    os.replace(meta_tmp, folder / "meta.json")
     return folder
 
 

@@ -1,9 +1,17 @@
 """``agora demo``: a whole swarm on this machine, as separate OS processes on 127.0.0.1.
 
 It starts a bootstrap peer, ``stages x replicas`` stage nodes and the trainers, trains until every stage has taken
-``steps`` optimizer steps, shows live progress, stops everything cleanly, and writes ``summary.json``,
-``loss.png`` and ``report.html``. Every child runs in its own session so that it and its hivemind helper
-processes can be signalled and, if needed, killed as one group by PID, never by name.
+``steps`` optimizer steps (or ``tokens`` tokens, or for ``train_seconds``), shows live progress, stops
+everything cleanly, and writes ``summary.json``, ``loss.png`` and ``report.html``. Every child runs in its own
+session so that it and its hivemind helper processes can be signalled and, if needed, killed as one group by PID,
+never by name.
+
+Chaos (``--chaos SECONDS``) SIGKILLs a random *serving* stage peer every SECONDS, never the last serving peer of
+its stage unless asked, and starts a replacement with ``--stage auto``. Which stage a peer serves is read from the
+DHT (peers started with ``--stage auto`` choose, and peers may move), never assumed from how it was started.
+The summary records what happened precisely enough to measure recovery: kill times, a timeline of per-stage work,
+every completed microbatch (submitted/completed times on the demo's clock), how each process exited, and on
+request the largest parameter difference between replicas of a stage at the end.
 """
 
 from __future__ import annotations
@@ -51,6 +59,11 @@ class Child:
     summary: Path
     stage: Optional[int] = None
     started: float = field(default_factory=time.time)
+    exit: Optional[dict] = None  # {"graceful": bool, "seconds": float} once stopped or killed by the demo
+
+    def current(self) -> Optional[dict]:
+        """The child's latest self-written summary (nodes rewrite it every few seconds while serving)."""
+        return read_json(self.summary)
 
     @property
     def alive(self) -> bool:
@@ -65,6 +78,8 @@ class Child:
 
     def kill_group(self) -> None:
         """SIGKILL the child's whole session (its hivemind DHT/averager processes and p2pd included)."""
+        if self.exit is None and self.alive:
+            self.exit = {"graceful": False, "seconds": None}
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -133,12 +148,17 @@ class Swarm:
 
     def stop(self, children: list[Child], timeout: float) -> None:
         """SIGTERM (graceful leave), wait, then SIGKILL the process group of anything still running."""
+        t0 = time.time()
         for c in children:
             c.signal(signal.SIGTERM)
-        deadline = time.time() + timeout
+        deadline = t0 + timeout
         for c in children:
+            was_alive = c.exit is None
             try:
                 c.proc.wait(timeout=max(0.1, deadline - time.time()))
+                if was_alive:
+                    c.exit = {"graceful": c.proc.returncode == 0, "seconds": time.time() - t0,
+                              "returncode": c.proc.returncode}
             except subprocess.TimeoutExpired:
                 console.print(f"[yellow]{c.name} did not leave within {timeout:.0f}s; killing it[/yellow]")
         for c in children:
@@ -195,7 +215,21 @@ def run_demo(
     live: bool = True,
     on_tick: Optional[Callable[[dict], None]] = None,
     seed: int = 0,
+    tokens: Optional[int] = None,
+    train_seconds: Optional[float] = None,
+    measure_divergence: bool = False,
+    checkpoint_dir: Optional[Path] = None,
+    checkpoint_every: int = 0,
+    resume: Optional[Path] = None,
+    node_args: Optional[list[str]] = None,
 ) -> dict:
+    """Run a local swarm until every stage took ``steps`` steps, or the trainers reached ``tokens`` tokens, or
+    ``train_seconds`` of training passed (whichever comes first); ``timeout`` (from the start) is a failure.
+
+    ``measure_divergence``: at the end, stop the trainers, let the replicas settle and download every serving
+    peer's state to report the largest parameter difference between replicas of each stage.
+    ``checkpoint_dir``/``checkpoint_every``/``resume`` are passed to every node (``agora node`` options).
+    """
     from agora.swarm.peer import make_dht
     from agora.swarm.status import swarm_status
 
@@ -204,7 +238,12 @@ def run_demo(
     manifest = demo_manifest(preset, stages)
     manifest_path = out / "manifest.yaml"
     manifest_path.write_text(manifest.to_yaml())
-    swarm = Swarm(manifest_path, out, threads=threads)
+    extra = list(node_args or [])
+    if checkpoint_dir is not None:
+        extra += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(checkpoint_every)]
+    if resume is not None:
+        extra += ["--resume", str(resume)]
+    swarm = Swarm(manifest_path, out, threads=threads, extra_node_args=extra)
     rng = random.Random(seed)
     events: list[str] = []
     t0 = time.time()
@@ -213,6 +252,8 @@ def run_demo(
     kills: list[dict] = []
     timeline: list[dict] = []
     finished = False
+    divergence: Optional[dict] = None
+    train_t0: Optional[float] = None
     try:
         maddr = swarm.start_bootstrap()
         dht = make_dht([maddr], client_mode=True)
@@ -224,6 +265,7 @@ def run_demo(
                                               "--port", str(dashboard_port)])
             events.append(f"dashboard at http://127.0.0.1:{dashboard_port}/")
         _wait_for_layout(dht, manifest, replicas, swarm, timeout=180)
+        train_t0 = time.time() - t0
         for i in range(trainers):
             swarm.start_trainer(i, trainers, in_flight, val_batches)
         next_kill = time.time() + chaos if chaos else None
@@ -231,25 +273,29 @@ def run_demo(
         with Live(console=console, refresh_per_second=2, transient=False) if live else _Null() as view:
             while time.time() < deadline:
                 snap = swarm_status(dht, manifest)
-                timeline.append({"t": time.time() - t0, "tokens": snap["tokens"],
-                                 "steps": [min([p["step"] for p in st["peers"] if p["state"] == "serving"] or [0])
-                                           for st in snap["stages"]]})
+                timeline.append(_timeline_point(snap, time.time() - t0))
                 if view is not None:
                     view.update(progress_table(snap, steps, time.time() - t0, events))
                 if on_tick:
                     on_tick(snap)
-                if _done(snap, steps):
+                if _done(snap, steps) or (tokens is not None and snap["tokens"] >= tokens) or (
+                        train_seconds is not None and time.time() - t0 - train_t0 >= train_seconds):
                     finished = True
                     break
                 dead = [c for c in swarm.children if c.role == "train" and not c.alive]
                 if dead:
                     raise RuntimeError(f"trainer {dead[0].name} exited early; see {dead[0].log}")
                 if next_kill and time.time() >= next_kill:
-                    kills.append(_chaos_kill(swarm, manifest, rng, chaos_last, events, t0))
+                    kill = _chaos_kill(swarm, snap, rng, chaos_last, events, t0)
+                    if kill:
+                        kills.append(kill)
                     next_kill = time.time() + chaos
                 time.sleep(1.0)
         if not finished:
             events.append(f"timeout after {timeout:.0f}s")
+        elif measure_divergence:
+            swarm.stop([c for c in swarm.children if c.role == "train"], 90)
+            divergence = measure_replica_divergence(dht, manifest)
     finally:
         if dht is not None:
             dht.shutdown()
@@ -257,8 +303,10 @@ def run_demo(
         if dash is not None:
             swarm.stop([dash], 10)
     wall = time.time() - t0
-    summary = summarize(swarm, manifest, wall, steps, replicas, kills, timeline)
+    summary = summarize(swarm, manifest, wall, steps, replicas, kills, timeline, t0)
     summary["finished"] = finished
+    summary["train_started_s"] = train_t0
+    summary["replica_divergence"] = divergence
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     from agora.report import write_swarm_report
 
@@ -298,24 +346,99 @@ def _wait_for_layout(dht, manifest: Manifest, replicas: int, swarm: Swarm, timeo
     raise TimeoutError(f"stage peers did not all start serving within {timeout:.0f}s (serving per stage: {counts})")
 
 
-def _chaos_kill(swarm: Swarm, manifest: Manifest, rng: random.Random, allow_last: bool, events: list, t0: float) -> dict:
-    alive = swarm.nodes()
-    by_stage: dict[int, list[Child]] = {}
-    for c in alive:
-        by_stage.setdefault(c.stage, []).append(c)
-    victims = [c for c in alive if allow_last or len(by_stage.get(c.stage, [])) > 1]
-    if not victims:
+def _timeline_point(snap: dict, t: float) -> dict:
+    """What the demo saw at time ``t``: tokens, completed microbatches, the slowest serving replica's step per
+    stage, serving peers per stage, and per-stage work counters by peer (forward calls, from their records)."""
+    serving = [[p for p in st["peers"] if p["state"] == "serving"] for st in snap["stages"]]
+    return {
+        "t": t,
+        "tokens": snap["tokens"],
+        "completed": int(snap["microbatches"].get("completed", 0)),
+        "steps": [min([p["step"] for p in peers] or [0]) for peers in serving],
+        "serving": [len(peers) for peers in serving],
+        "work": [{p["short_id"]: int((p.get("metrics") or {}).get("forward", 0)) for p in st["peers"]}
+                 for st in snap["stages"]],
+    }
+
+
+def _chaos_kill(swarm: Swarm, snap: dict, rng: random.Random, allow_last: bool, events: list, t0: float) -> dict:
+    """SIGKILL one random serving stage peer (not the last serving one of its stage unless ``allow_last``) and
+    start a replacement with ``--stage auto``. Returns what was done, or {} when no peer may be killed."""
+    serving = {p["peer_id"]: st["stage"] for st in snap["stages"] for p in st["peers"] if p["state"] == "serving"}
+    per_stage: dict[int, int] = {}
+    for stage in serving.values():
+        per_stage[stage] = per_stage.get(stage, 0) + 1
+    candidates = []
+    for c in swarm.nodes():
+        info = c.current() or {}
+        stage = serving.get(info.get("peer_id", ""))
+        if stage is not None and (allow_last or per_stage[stage] > 1):
+            candidates.append((c, info["peer_id"], stage))
+    if not candidates:
         return {}
-    victim = rng.choice(victims)
+    victim, peer_id, stage = rng.choice(candidates)
     victim.kill_group()
     replacement = swarm.start_node(None)
     t = time.time() - t0
-    events.append(f"{t:.0f}s: chaos killed {victim.name}; started {replacement.name} with --stage auto")
-    return {"t": t, "killed": victim.name, "stage": victim.stage, "replacement": replacement.name}
+    events.append(f"{t:.0f}s: chaos killed {victim.name} (stage {stage}); started {replacement.name} with --stage auto")
+    return {"t": t, "killed": victim.name, "peer_id": peer_id, "stage": stage, "replacement": replacement.name}
+
+
+def measure_replica_divergence(dht, manifest: Manifest, settle_s: float = 45.0, timeout: float = 60.0) -> dict:
+    """Largest |difference| of any parameter between the serving replicas of each stage (trainers stopped).
+
+    Waits (up to ``settle_s``) until, per stage, every serving replica is at one step with nothing accumulated
+    and no round running, then downloads each replica's state (``get_state``) and compares parameters.
+    """
+    import asyncio
+
+    from agora.swarm.status import swarm_status
+
+    deadline = time.time() + settle_s
+    settled = 0
+    while time.time() < deadline and settled < 2:
+        snap = swarm_status(dht, manifest)
+        ok = True
+        for st in snap["stages"]:
+            peers = [p for p in st["peers"] if p["state"] == "serving"]
+            if len({p["step"] for p in peers}) > 1 or any(p["samples"] for p in peers):
+                ok = False
+        settled = settled + 1 if ok else 0
+        time.sleep(1.0)
+    snap = swarm_status(dht, manifest)
+    return asyncio.run(_download_and_compare(dht, manifest, snap, timeout)) | {"settled": settled >= 2}
+
+
+async def _download_and_compare(dht, manifest: Manifest, snap: dict, timeout: float) -> dict:
+    from agora.swarm import transport
+    from agora.swarm.node import GET_STATE
+
+    p2p = await dht.replicate_p2p()
+    stages: dict[str, dict] = {}
+    for st in snap["stages"]:
+        params: dict[str, dict] = {}
+        steps: dict[str, int] = {}
+        for p in [p for p in st["peers"] if p["state"] == "serving"]:
+            meta = {"run_id": manifest.run_id, "manifest_hash": manifest.hash, "stage": st["stage"]}
+            try:
+                reply, tensors = await transport.call(p2p, p["peer_id"], manifest.run_id, GET_STATE, meta, [], timeout)
+            except transport.RpcError as err:
+                console.print(f"[yellow]state download from {p['short_id']} failed: {err}[/yellow]")
+                continue
+            params[p["short_id"]] = {n: t for n, t in zip(reply["names"], tensors) if n.startswith("param/")}
+            steps[p["short_id"]] = reply["step"]
+        ids = sorted(params)
+        diff = 0.0
+        for other in ids[1:]:
+            for name, ref in params[ids[0]].items():
+                diff = max(diff, float((ref.float() - params[other][name].float()).abs().max()))
+        stages[str(st["stage"])] = {"replicas": len(ids), "steps": steps, "max_abs_diff": diff if len(ids) > 1 else None}
+    diffs = [v["max_abs_diff"] for v in stages.values() if v["max_abs_diff"] is not None]
+    return {"stages": stages, "max_abs_diff": max(diffs) if diffs else None}
 
 
 def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replicas: int,
-              kills: list[dict], timeline: list[dict]) -> dict:
+              kills: list[dict], timeline: list[dict], t0: Optional[float] = None) -> dict:
     trainers = [s for c in swarm.children if c.role == "train" and (s := read_json(c.summary))]
     nodes = [(c, s) for c in swarm.children if c.role == "node" and (s := read_json(c.summary))]
     curve = sorted((p for t in trainers for p in t.get("loss_curve", [])), key=lambda p: p["wall_s"])
@@ -376,7 +499,30 @@ def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replica
         "rounds_failed": sum(s.get("rounds_failed", 0) for _, s in nodes),
         "chaos_kills": kills,
         "timeline": timeline,
+        "completions": _completions(trainers, t0),
+        "exits": {c.name: c.exit for c in swarm.children},
+        "nodes": [{"name": c.name, "peer_id": s.get("peer_id"), "stage": s.get("stage"), "state": s.get("state"),
+                   "step": s.get("step"), "fingerprint": s.get("fingerprint"), "moves": s.get("moves", 0),
+                   "resyncs": s.get("resyncs", 0), "rounds_failed": s.get("rounds_failed", 0),
+                   "aborted_rounds": s.get("aborted_rounds", 0), "local_steps": s.get("local_steps", 0)}
+                  for c, s in nodes],
+        "moves": sum(s.get("moves", 0) for _, s in nodes),
+        "resyncs": sum(s.get("resyncs", 0) for _, s in nodes),
     }
+
+
+def _completions(trainers: list[dict], t0: Optional[float]) -> list[list[float]]:
+    """Every completed microbatch as [submitted, completed] seconds on the demo's clock (sorted by completion)."""
+    if t0 is None:
+        return []
+    out = []
+    for t in trainers:
+        base = t.get("started_at")
+        if base is None:
+            continue
+        for p in t.get("loss_curve", []):
+            out.append([round(base + p.get("submitted_s", p["wall_s"]) - t0, 3), round(base + p["wall_s"] - t0, 3)])
+    return sorted(out, key=lambda x: x[1])
 
 
 def _cumulative(merged):

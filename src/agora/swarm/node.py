@@ -11,7 +11,15 @@ backward and returns the gradient of its input. Activations never return through
 Optimizer steps vs microbatches in flight: a microbatch keeps its autograd graph while downstream stages work.
 If this stage stepped in between (parameters changed in place), the graph is stale; we then recompute the
 forward from the stashed input with the current parameters before the backward (PyTorch's version check would
-otherwise refuse, rightly).
+otherwise refuse, rightly). ``version`` counts every change of the parameters (steps and state imports alike).
+
+Lifecycle: joining -> syncing -> serving -> leaving, announced in the DHT with a short expiry. A graceful leave
+(SIGTERM/SIGINT, or ``stop()``) stops taking work, drains in-flight microbatches up to a deadline, announces
+``leaving`` and shuts the averager down; a killed peer simply stops refreshing its record, and callers route around
+it at once through failed calls (bans). A serving peer may also move to another stage when that lifts the swarm's
+bottleneck (``routing.plan_rebalance``): it leaves its stage the same way, rebuilds stage, optimizer and averager for
+the new one, downloads the state of a replica there (going back to its old stage if that fails) and serves again.
+One peer moves at a time: the plan names a single mover, and a DHT lock with expiry covers differing views.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +37,7 @@ from typing import Any, Optional
 import torch
 from hivemind import DHT
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
 from agora.config import Manifest
 from agora.model import Stage
@@ -35,14 +45,17 @@ from agora.optim import build_optimizer, set_lr
 from agora.swarm import transport
 from agora.swarm.records import (
     ANNOUNCE_PERIOD_S,
+    DHT_TIMEOUT_S,
     PeerState,
     StageRecord,
     acks_key,
     announce,
     read_stage,
+    read_subkeys,
+    read_swarm,
     stage_key,
 )
-from agora.swarm.routing import BanList, pick_peer
+from agora.swarm.routing import BanList, Move, pick_peer_or_fallback, plan_rebalance
 from agora.swarm.transport import RpcError, TransferStats
 from agora.wire import WIRE_DTYPES, Boundary, compress, decompress
 
@@ -64,6 +77,17 @@ RETRYABLE = {
     "not_serving",
     "no_peers",
 }
+# Of those, the ones that say the peer itself is broken or unreachable: it is banned for a while. A peer that is
+# leaving or not yet serving is healthy; routing just skips it for this microbatch.
+BANNABLE = {transport.TIMEOUT, transport.UNREACHABLE, transport.NO_HANDLER, transport.CONNECTION_LOST, transport.INTERNAL}
+
+
+MOVE_LOCK_TTL_S = 90.0  # a mover that dies mid-move blocks other moves at most this long
+
+
+def moves_key(run_id: str) -> str:
+    """DHT key of the stage-move lock: one subkey per peer that claims (or released) the right to move."""
+    return f"{run_id}_moving"
 
 
 @dataclass
@@ -78,6 +102,13 @@ class NodeOptions:
     checkpoint_every: int = 0
     drain_timeout_s: float = 20.0
     threads: Optional[int] = None
+    sync_timeout_s: float = 120.0  # a joining/moving peer's state download, all attempts together
+    # Rebalancing (0: off; `agora node` turns it on): every ~N s a serving peer checks whether moving one peer to
+    # the bottleneck stage lifts throughput by >= min_move_gain, not before rebalance_dwell_s after it started
+    # serving or last moved (measurements of a fresh stage need time to settle).
+    rebalance_every_s: float = 0.0
+    rebalance_dwell_s: float = 30.0
+    min_move_gain: float = 1.3
 
 
 @dataclass
@@ -105,6 +136,8 @@ class _Pending:
     leaf: Optional[torch.Tensor]
     out: torch.Tensor
     step: int
+    version: int = 0  # the node's parameter version at the forward: recompute before the backward if it changed
+    generation: int = 0  # the node's stage generation: a microbatch of a stage the node left is refused
 
 
 class StageNode:
@@ -119,6 +152,10 @@ class StageNode:
         self.is_head, self.is_tail = self.stage.spec.is_head, self.stage.spec.is_tail
         self.optimizer = build_optimizer(self.stage, manifest.optimizer)
         self.step = 0
+        self.version = 0  # bumped whenever the parameters change (optimizer step, state import, stage move)
+        self.generation = 0  # bumped on every stage move
+        self.moves = 0
+        self.previous_stages: list[int] = []
         self.samples = 0  # samples whose gradients sit in .grad, waiting for the next step
         self.last_sample_time = time.monotonic()
         self.counters = Counters()
@@ -135,6 +172,11 @@ class StageNode:
         self._queue = 0
         self._p2p = None
         self._tasks: list[asyncio.Task] = []
+        self._sync_task: Optional[asyncio.Task] = None
+        self._syncs: list = []  # every ReplicaSync this node created: all are shut down on stop
+        self._serving_since = time.monotonic()
+        self._stopping = False
+        self._lock_claimed = False
         self.events: list[dict] = []
         self._wire_dtype = WIRE_DTYPES[manifest.residual.wire_dtype]
         # Observers (e.g. Prometheus metrics) get (kind, seconds, tokens) for every forward/backward: no metrics
@@ -148,38 +190,75 @@ class StageNode:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        from agora.swarm.averaging import ReplicaSync
-
         self._p2p = await self.dht.replicate_p2p()
         ns = self.manifest.run_id
         await transport.add_handler(self._p2p, ns, FWD_BWD, self._handle_fwd_bwd, stats=self.stats_in)
         await transport.add_handler(self._p2p, ns, GET_STATE, self._handle_get_state)
         await transport.add_handler(self._p2p, ns, INFO, self._handle_info)
-        self.sync = ReplicaSync(self)
         self._tasks.append(asyncio.create_task(self._announce_loop(), name="announce"))
-        if not self.is_tail:
-            self._tasks.append(asyncio.create_task(self._refresh_next_loop(), name="refresh-next"))
+        self._tasks.append(asyncio.create_task(self._refresh_next_loop(), name="refresh-next"))
+        await self._join_stage()
+        if self.opts.rebalance_every_s > 0:
+            self._tasks.append(asyncio.create_task(self._rebalance_loop(), name="rebalance"))
+
+    async def _join_stage(self, require_state: bool = False) -> bool:
+        """syncing -> serving in ``self.stage_index``: averager up, state of the freshest replica, sync loop on.
+
+        With ``require_state`` (a move), a failed download returns False before serving, so the caller can go back.
+        """
+        from agora.swarm.averaging import ReplicaSync
+
         self.state = PeerState.SYNCING
+        self.sync = ReplicaSync(self)
+        self._syncs.append(self.sync)
         await self.announce()
-        await self.sync.initial_sync()
+        synced = await self.sync.initial_sync(timeout=self.opts.sync_timeout_s)
+        if not synced and require_state:
+            return False
         self.state = PeerState.SERVING
+        self._serving_since = time.monotonic()
         await self.announce()
-        self._tasks.append(asyncio.create_task(self.sync.run(), name="replica-sync"))
+        self._sync_task = asyncio.create_task(self.sync.run(), name="replica-sync")
         logger.info(f"stage {self.stage_index} peer {self.peer_id[-8:]} serving at step {self.step}")
+        return True
+
+    async def _stop_sync(self) -> None:
+        """Stop the replica sync loop between two ticks (never inside a round) and shut its averager down."""
+        sync, task = self.sync, self._sync_task
+        if task is not None:
+            async with sync.lock:
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self._sync_task = None
+        if sync is not None:
+            await self.run_io(sync.shutdown)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.opts.drain_timeout_s
+        if self.inflight:
+            logger.info(f"leaving: waiting for {self.inflight} microbatches in flight")
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.inflight:
+            logger.warning(f"leaving with {self.inflight} microbatches still in flight after {self.opts.drain_timeout_s:.0f}s")
 
     async def stop(self) -> None:
         """Graceful leave: stop taking work, finish in-flight microbatches up to a deadline, announce, checkpoint."""
+        self._stopping = True
         self.state = PeerState.LEAVING
-        await self.announce()
-        deadline = time.monotonic() + self.opts.drain_timeout_s
-        while self.inflight and time.monotonic() < deadline:
-            logger.info(f"leaving: waiting for {self.inflight} microbatches in flight")
-            await asyncio.sleep(0.5)
-        for task in self._tasks:
+        try:
+            await self.announce()
+        except Exception as err:  # the DHT may already be gone; leaving must still finish
+            logger.warning(f"could not announce leaving: {err!r}")
+        await self._drain()
+        tasks = [*self._tasks, *([self._sync_task] if self._sync_task else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.sync is not None:
-            self.sync.shutdown()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._lock_claimed:
+            await self._release_move_lock()
+        for sync in self._syncs:
+            sync.shutdown()
         if self.opts.checkpoint_dir:
             await self.run_compute(self.save_checkpoint)
         self._compute.shutdown(wait=True)
@@ -203,13 +282,13 @@ class StageNode:
             queue=self._queue,
             step=self.step,
             samples=self.samples,
-            fingerprint=self.sync.fingerprint if self.sync else 0.0,
+            fingerprint=self.sync.fingerprint if self.sync and self.sync.fingerprint_valid else 0.0,
             averaging_step=self.sync.averaging_step if self.sync else -1,
             metrics={
                 "forward": c.forward, "backward": c.backward, "tokens": c.tokens, "retried": c.retried,
                 "failed": c.failed, "rejected": c.rejected, "loss": self.loss_ema,
                 "bytes_out": self.stats_out.payload_bytes_sent, "bytes_in": self.stats_in.payload_bytes_received,
-                "busy_s": c.busy_s,
+                "busy_s": c.busy_s, "moves": self.moves,
             },
         )
 
@@ -231,13 +310,132 @@ class StageNode:
     async def _refresh_next_loop(self) -> None:
         """Keep the next stage's records fresh off the hot path (one DHT read a second at most)."""
         while True:
-            try:
-                self.next_records = await self.run_io(
-                    read_stage, self.dht, self.manifest.run_id, self.stage_index + 1, self.manifest.hash
-                )
-            except Exception as err:
-                logger.warning(f"reading stage {self.stage_index + 1} records failed: {err!r}")
+            if not self.is_tail:
+                nxt = self.stage_index + 1
+                try:
+                    records = await self.run_io(read_stage, self.dht, self.manifest.run_id, nxt, self.manifest.hash)
+                    if nxt == self.stage_index + 1:  # not moved meanwhile
+                        self.next_records = records
+                except Exception as err:
+                    logger.warning(f"reading stage {nxt} records failed: {err!r}")
             await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------ rebalancing
+    async def _rebalance_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.opts.rebalance_every_s * random.uniform(0.75, 1.25))
+            if self.state != PeerState.SERVING or self._stopping:
+                continue
+            if time.monotonic() - self._serving_since < self.opts.rebalance_dwell_s:
+                continue
+            try:
+                await self.maybe_move()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # a failed attempt leaves the node serving where it was
+                logger.warning(f"rebalancing failed: {err!r}", exc_info=True)
+
+    async def maybe_move(self) -> Optional[Move]:
+        """Move to another stage if the swarm-wide plan names this peer as the mover; returns the move made."""
+        m = self.manifest
+        swarm = await self.run_io(read_swarm, self.dht, m.run_id, m.n_stages, m.hash)
+        plan = plan_rebalance(swarm, self.opts.min_move_gain)
+        if plan is None or plan[0] != self.peer_id or plan[1].from_stage != self.stage_index:
+            return None
+        move = plan[1]
+        if not await self._claim_move_lock(move):
+            return None
+        try:
+            logger.info(f"rebalancing: moving from stage {move.from_stage} to {move.to_stage} "
+                        f"(bottleneck x{move.gain:.2f})")
+            moved = await self.move_to(move.to_stage)
+        finally:
+            await self._release_move_lock()
+        return move if moved else None
+
+    def _move_claims(self) -> list[str]:
+        """Peers (other than us) holding the move lock of this run and manifest (io thread)."""
+        entries = read_subkeys(self.dht, moves_key(self.manifest.run_id))
+        return sorted(
+            sub for sub, v in entries.items()
+            if sub != self.peer_id and isinstance(v, dict) and v.get("manifest_hash") == self.manifest.hash
+            and not v.get("released")
+        )
+
+    async def _claim_move_lock(self, move: Move) -> bool:
+        if await self.run_io(self._move_claims):
+            return False
+        value = {"manifest_hash": self.manifest.hash, "from": move.from_stage, "to": move.to_stage, "released": False}
+        await self.run_io(announce, self.dht, moves_key(self.manifest.run_id), self.peer_id, value, MOVE_LOCK_TTL_S)
+        self._lock_claimed = True
+        await asyncio.sleep(1.0)  # a concurrent claim (a differing view of the swarm) lands meanwhile
+        rivals = await self.run_io(self._move_claims)
+        if any(r < self.peer_id for r in rivals):
+            await self._release_move_lock()
+            return False
+        return True
+
+    async def _release_move_lock(self) -> None:
+        # A later expiration replaces the claim (hivemind keeps the value that expires last for a subkey).
+        value = {"manifest_hash": self.manifest.hash, "released": True}
+        try:
+            await self.run_io(announce, self.dht, moves_key(self.manifest.run_id), self.peer_id, value,
+                              MOVE_LOCK_TTL_S + 1.0)
+        except Exception as err:  # the claim then just expires
+            logger.warning(f"could not release the move lock: {err!r}")
+        self._lock_claimed = False
+
+    async def move_to(self, new_stage: int) -> bool:
+        """Serve ``new_stage`` instead of the current one; True if the node serves the new stage afterwards.
+
+        Leave cleanly (announce leaving, drain, stop the averager between rounds), rebuild stage, optimizer and
+        replica sync, take the state of a replica of the new stage, serve. If that state cannot be had, go back
+        to the old stage with the old modules (kept aside untouched) and resync there.
+        """
+        old_stage, t0 = self.stage_index, time.monotonic()
+        if new_stage == old_stage or not 0 <= new_stage < self.manifest.n_stages:
+            raise ValueError(f"cannot move from stage {old_stage} to {new_stage}")
+        self.state = PeerState.LEAVING
+        await self.announce()
+        await self._drain()
+        await self._stop_sync()
+        kept = (self.stage, self.optimizer, self.step)
+        await self.run_compute(self._switch_stage, new_stage, None)
+        if await self._join_stage(require_state=True):
+            self.moves += 1
+            self.log_event("moved", from_stage=old_stage, to_stage=new_stage, step=self.step,
+                           seconds=time.monotonic() - t0)
+            logger.info(f"moved from stage {old_stage} to {new_stage} in {time.monotonic() - t0:.1f}s")
+            return True
+        logger.warning(f"could not get the state of stage {new_stage}; going back to stage {old_stage}")
+        self.state = PeerState.LEAVING
+        await self.announce()
+        await self._stop_sync()
+        await self.run_compute(self._switch_stage, old_stage, kept)
+        await self._join_stage()
+        self.log_event("move_failed", from_stage=old_stage, to_stage=new_stage, seconds=time.monotonic() - t0)
+        return False
+
+    def _switch_stage(self, stage: int, kept: Optional[tuple]) -> None:
+        """Compute thread: swap the served stage, so no forward/backward ever sees half of each."""
+        self.previous_stages = [s for s in self.previous_stages if s != stage][-3:] + [self.stage_index]
+        self.generation += 1
+        self.version += 1
+        if kept is None:
+            self.stage = Stage(self.manifest, stage)
+            self.optimizer = build_optimizer(self.stage, self.manifest.optimizer)
+            self.step = 0
+        else:
+            self.stage, self.optimizer, self.step = kept
+            for p in self.stage.parameters():
+                p.grad = None
+        self.stage_index = stage
+        self.is_head, self.is_tail = self.stage.spec.is_head, self.stage.spec.is_tail
+        self.samples = 0
+        self.throughput = 0.0  # measured on another stage: says nothing about this one
+        self.loss_ema = float("nan")
+        self.next_records = []
+        set_lr(self.optimizer, self.manifest.optimizer, self.step)
 
     # ------------------------------------------------------------------ validation
     def _reject(self, code: str, message: str) -> RpcError:
@@ -254,6 +452,8 @@ class StageNode:
                 "manifest_mismatch", f"manifest hash {meta.get('manifest_hash')} != this peer's {m.hash}"
             )
         if meta.get("stage") != self.stage_index:
+            if meta.get("stage") in self.previous_stages:  # a caller still routes by our record before a move
+                raise RpcError("leaving", f"this peer moved to stage {self.stage_index}")
             raise self._reject("wrong_stage", f"this peer serves stage {self.stage_index}, not {meta.get('stage')}")
         if self.state != PeerState.SERVING:
             raise RpcError("leaving" if self.state == PeerState.LEAVING else "not_serving", f"peer is {self.state.value}")
@@ -286,7 +486,12 @@ class StageNode:
                 raise self._reject("non_finite", "boundary contains NaN or Inf")
 
     # ------------------------------------------------------------------ compute (compute thread only)
-    def _forward(self, tensors: list[torch.Tensor], train: bool) -> tuple[_Pending, Optional[float]]:
+    def _check_generation(self, generation: int) -> None:
+        if generation != self.generation:
+            raise RpcError("leaving", f"this peer moved to stage {self.stage_index}")
+
+    def _forward(self, tensors: list[torch.Tensor], train: bool, generation: Optional[int] = None) -> tuple[_Pending, Optional[float]]:
+        self._check_generation(self.generation if generation is None else generation)
         t0 = time.perf_counter()
         tokens, last = tensors[-2].long(), tensors[-1].long()
         with torch.set_grad_enabled(train):
@@ -300,7 +505,8 @@ class StageNode:
                     # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean.
                     (loss_t * tokens.shape[0]).backward()
         self._account(t0, tokens.numel(), "forward")
-        pending = _Pending(tensors[0] if not self.is_head else None, tokens, leaf, out, self.step)
+        pending = _Pending(tensors[0] if not self.is_head else None, tokens, leaf, out, self.step, self.version,
+                           self.generation)
         return pending, loss
 
     def _forward_from(self, coords: Optional[torch.Tensor], tokens: torch.Tensor):
@@ -312,8 +518,9 @@ class StageNode:
         return leaf, self.stage(decompress(boundary, self.stage.basis, self.stage.frozen_embed))
 
     def _backward(self, pending: _Pending, grad_out: torch.Tensor) -> Optional[torch.Tensor]:
+        self._check_generation(pending.generation)
         t0 = time.perf_counter()
-        if pending.step != self.step:
+        if pending.version != self.version:
             # Parameters moved since this microbatch's forward: recompute on the current ones.
             self.counters.recomputed += 1
             with torch.enable_grad():
@@ -329,6 +536,7 @@ class StageNode:
         return pending.leaf.grad.to(self._wire_dtype)
 
     def _finish_tail(self, pending: _Pending) -> Optional[torch.Tensor]:
+        self._check_generation(pending.generation)
         self.samples += pending.tokens.shape[0]
         self.last_sample_time = time.monotonic()
         return None if pending.leaf is None else pending.leaf.grad.to(self._wire_dtype)
@@ -346,10 +554,11 @@ class StageNode:
     async def _handle_fwd_bwd(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
         self._validate(meta, tensors)
         train = bool(meta.get("train", True))
+        generation = self.generation
         self.inflight += 1
         self._queue += 1
         try:
-            pending, loss = await self.run_compute(self._forward, tensors, train)
+            pending, loss = await self.run_compute(self._forward, tensors, train, generation)
             self._queue -= 1
             n_tokens = pending.tokens.numel()
             self.counters.forward += 1
@@ -408,20 +617,27 @@ class StageNode:
                 if err.code not in RETRYABLE:
                     raise
                 tried.append(peer.peer_id)
-                self.bans.ban(peer.peer_id)
+                if err.code in BANNABLE:
+                    self.bans.ban(peer.peer_id)
                 self.counters.retried += 1
                 logger.warning(f"stage {nxt} peer {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
         raise RpcError("retries_exhausted", f"stage {nxt}: {self.opts.max_retries} retries failed; last: {last_error}")
 
     async def _wait_for_next_peer(self, tried: list[str]) -> Optional[StageRecord]:
+        """A next-stage peer for this attempt: untried and unbanned if possible, else the best of the rest (the
+        caller bounds the attempts); waits up to ``wait_for_peers_s`` while the next stage has no serving peer."""
         deadline = time.monotonic() + self.opts.wait_for_peers_s
         warned = False
         while True:
-            peer = pick_peer(self.next_records, 1, exclude=tried, bans=self.bans)
-            if peer is not None or time.monotonic() > deadline:
+            peer = pick_peer_or_fallback(self.next_records, 1, tried=tried, bans=self.bans)
+            if peer is not None:
+                if peer.peer_id in tried:
+                    await asyncio.sleep(0.5 * tried.count(peer.peer_id))
                 return peer
+            if time.monotonic() > deadline or self.state == PeerState.LEAVING:
+                return None
             if not warned:
-                logger.warning(f"stage {self.stage_index + 1} has no usable peers; waiting")
+                logger.warning(f"stage {self.stage_index + 1} has no peers; waiting")
                 warned = True
             await asyncio.sleep(0.5)
             self.next_records = await self.run_io(
@@ -433,6 +649,8 @@ class StageNode:
             raise RpcError("manifest_mismatch", "state requested for another run or manifest")
         if meta.get("stage") != self.stage_index:
             raise RpcError("wrong_stage", f"this peer serves stage {self.stage_index}")
+        if self.state not in (PeerState.SERVING, PeerState.LEAVING) or self.sync is None:
+            raise RpcError("not_serving", f"peer is {self.state.value}: its state is not settled")
         step, names, state = await self.run_compute(self.export_state)
         return {"step": step, "names": names, "fingerprint": self.sync.fingerprint}, state
 
@@ -453,7 +671,9 @@ class StageNode:
                     tensors.append(torch.as_tensor(st[key]).detach().clone().reshape(-1) if key == "step" else st[key].detach().clone())
         return self.step, names, tensors
 
-    def import_state(self, step: int, names: list[str], tensors: list[torch.Tensor]) -> None:
+    def import_state(self, step: int, names: list[str], tensors: list[torch.Tensor], keep_grads: bool = False) -> None:
+        """Replace parameters, optimizer moments and step (compute thread). ``keep_grads`` keeps the gradients
+        accumulated toward the next step (a same-step repair); otherwise they are dropped with their samples."""
         by_name = dict(zip(names, tensors))
         params = dict(self.stage.named_parameters())
         missing = [n for n in params if f"param/{n}" not in by_name]
@@ -473,9 +693,12 @@ class StageNode:
                     }
                 else:
                     self.optimizer.state.pop(p, None)
-                p.grad = None
+                if not keep_grads:
+                    p.grad = None
+        self.version += 1
         self.step = int(step)
-        self.samples = 0
+        if not keep_grads:
+            self.samples = 0
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
 
     def save_checkpoint(self) -> Optional[Path]:
@@ -495,6 +718,7 @@ class StageNode:
         self.optimizer.step()
         for p, g in zip(params, kept):
             p.grad = g
+        self.version += 1
         self.step += 1
         if self.opts.checkpoint_dir and self.opts.checkpoint_every and self.step % self.opts.checkpoint_every == 0:
             self.save_checkpoint()

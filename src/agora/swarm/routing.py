@@ -4,13 +4,15 @@
   throughput), ties broken at random, peers never measured treated optimistically so they are probed soon.
 * ``pick_stage``: which stage a joining peer should serve: empty stages first, then the least total throughput.
 * ``plan_move``: whether a peer of an over-served stage should move to the bottleneck stage.
+* ``plan_rebalance``: the one move the whole swarm agrees on (every peer evaluates the same records, so they all
+  name the same mover; a DHT lock in the node covers the rare case of differing views).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from agora.swarm.records import PeerState, StageRecord
@@ -51,7 +53,11 @@ def pick_peer(
     inflight: Optional[dict[str, int]] = None,
     rng: Optional[random.Random] = None,
 ) -> Optional[StageRecord]:
-    """Earliest expected finish among serving, non-banned, non-excluded peers; None if there is none."""
+    """Earliest expected finish among serving, non-banned, non-excluded peers; None if there is none.
+
+    A peer not measured yet is scored at the best throughput measured among the usable candidates (optimistic,
+    so a replacement peer gets work right away instead of idling behind a pessimistic default).
+    """
     rng = rng or random
     inflight = inflight or {}
     usable = [
@@ -60,10 +66,37 @@ def pick_peer(
     ]
     if not usable:
         return None
-    scored = [(expected_finish_s(r, job_tokens, inflight.get(r.peer_id, 0)), rng.random(), r) for r in usable]
+    best_measured = max((r.throughput for r in usable if r.throughput > 0), default=DEFAULT_THROUGHPUT)
+
+    def score(r: StageRecord) -> float:
+        rec = r if r.throughput > 0 else replace(r, throughput=best_measured)
+        return expected_finish_s(rec, job_tokens, inflight.get(r.peer_id, 0))
+
+    scored = [(score(r), rng.random(), r) for r in usable]
     best = min(s for s, _, _ in scored)
     ties = [(tie, r) for s, tie, r in scored if s <= best * 1.05 + 1e-9]
     return min(ties, key=lambda t: t[0])[1]
+
+
+def pick_peer_or_fallback(
+    candidates: Sequence[StageRecord],
+    job_tokens: int,
+    tried: Sequence[str] = (),
+    bans: Optional[BanList] = None,
+    inflight: Optional[dict[str, int]] = None,
+    rng: Optional[random.Random] = None,
+) -> Optional[StageRecord]:
+    """``pick_peer``, relaxing its filters instead of giving up while a serving peer exists.
+
+    Order of preference: untried and not banned; untried but banned; tried (and maybe banned). A ban is a
+    preference learned from one failure (a reset stream can be transient); when every serving peer of a stage is
+    banned, sending to one of them beats abandoning the microbatch. The caller bounds the attempts.
+    """
+    for exclude, use_bans in ((tried, bans), (tried, None), ((), None)):
+        peer = pick_peer(candidates, job_tokens, exclude=exclude, bans=use_bans, inflight=inflight, rng=rng)
+        if peer is not None:
+            return peer
+    return None
 
 
 def stage_capacity(records: Sequence[StageRecord], typical: float) -> float:
@@ -75,6 +108,19 @@ def stage_capacity(records: Sequence[StageRecord], typical: float) -> float:
 def typical_throughput(swarm: Sequence[Sequence[StageRecord]]) -> float:
     measured = sorted(r.throughput for stage in swarm for r in stage if r.throughput > 0)
     return measured[len(measured) // 2] if measured else DEFAULT_THROUGHPUT
+
+
+def drop_stale(
+    swarm: Sequence[Sequence[StageRecord]], max_age_s: float, now: Optional[float] = None
+) -> list[list[StageRecord]]:
+    """The records refreshed within ``max_age_s`` (by their writer's clock, ``updated``).
+
+    A killed peer's record lives on until it expires; its ``updated`` time stops moving right away. A newcomer
+    choosing a stage skips such records, or it would see the dead peer's stage as still served and join another.
+    Records without a time are kept. ``max_age_s`` must exceed the announce period plus clock skew between hosts.
+    """
+    now = time.time() if now is None else now
+    return [[r for r in stage if not r.updated or now - r.updated <= max_age_s] for stage in swarm]
 
 
 def pick_stage(swarm: Sequence[Sequence[StageRecord]], rng: Optional[random.Random] = None) -> int:
@@ -96,6 +142,10 @@ class Move:
     gain: float  # bottleneck capacity after / before
 
 
+def _serving(records: Sequence[StageRecord]) -> list[StageRecord]:
+    return [r for r in records if r.state == PeerState.SERVING.value]
+
+
 def plan_move(
     swarm: Sequence[Sequence[StageRecord]],
     my_stage: int,
@@ -104,23 +154,49 @@ def plan_move(
 ) -> Optional[Move]:
     """Move from ``my_stage`` to the bottleneck stage if that lifts the swarm's bottleneck by >= ``min_gain``.
 
-    Hysteresis comes from the gain threshold: after a move the new bottleneck is never worse by that factor, so
-    the move back cannot pass the same test. The last peer of a stage never moves (it would empty the stage).
+    The mover's contribution at the target is estimated from the target's own measured peers (stages differ in
+    cost: a tail with the LM head is slower per token than a middle stage); with none measured, from the mover.
+    Hysteresis comes from the gain threshold: after a move the bottleneck is higher, so the move back would
+    lower it and cannot pass the test; dwell times in the node keep noisy measurements from flapping. The last
+    serving peer of a stage never moves (it would empty the stage). Ties for the bottleneck mean no single move
+    helps (the other tied stage stays the bottleneck), which the gain test reports as no move.
     """
     typical = typical_throughput(swarm)
     caps = [stage_capacity(stage, typical) for stage in swarm]
-    live_here = [r for r in swarm[my_stage] if r.state == PeerState.SERVING.value]
-    if len(live_here) <= 1:
+    if len(_serving(swarm[my_stage])) <= 1:
         return None
-    target = min(range(len(caps)), key=lambda s: caps[s])
+    target = min(range(len(caps)), key=lambda s: (caps[s], s))
     if target == my_stage:
         return None
-    before = min(caps)
+    mine = my_throughput if my_throughput > 0 else typical
+    measured = [r.throughput for r in _serving(swarm[target]) if r.throughput > 0]
+    gained = sum(measured) / len(measured) if measured else mine
+    before = caps[target]
     after_caps = list(caps)
-    after_caps[my_stage] -= my_throughput
-    after_caps[target] += my_throughput
+    after_caps[my_stage] -= mine
+    after_caps[target] += gained
     after = min(after_caps)
     if before <= 0:
         return Move(my_stage, target, float("inf"))
     gain = after / before
     return Move(my_stage, target, gain) if gain >= min_gain else None
+
+
+def plan_rebalance(
+    swarm: Sequence[Sequence[StageRecord]], min_gain: float = 1.3
+) -> Optional[tuple[str, Move]]:
+    """(peer id, move) of the single best move in the swarm, or None.
+
+    Every serving peer of every stage is a candidate with its own throughput; the largest gain wins and ties go to
+    the smallest peer id. Peers that read the same records compute the same answer, so exactly one of them moves.
+    """
+    best: Optional[tuple[float, str, Move]] = None
+    for stage, records in enumerate(swarm):
+        for r in _serving(records):
+            move = plan_move(swarm, stage, r.throughput, min_gain)
+            if move is None:
+                continue
+            key = (-move.gain, r.peer_id)
+            if best is None or key < (-best[0], best[1]):
+                best = (move.gain, r.peer_id, move)
+    return None if best is None else (best[1], best[2])

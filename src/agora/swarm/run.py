@@ -83,10 +83,12 @@ def run_bootstrap(manifest: Optional[Manifest], initial_peers: Sequence[str], ho
 
 
 def choose_stage(dht, manifest: Manifest) -> int:
-    from agora.swarm.routing import pick_stage
+    """The weakest stage, ignoring records that stopped being refreshed (peers that just died)."""
+    from agora.swarm.records import ANNOUNCE_PERIOD_S
+    from agora.swarm.routing import drop_stale, pick_stage
 
     swarm = read_swarm(dht, manifest.run_id, manifest.n_stages, manifest.hash)
-    return pick_stage(swarm)
+    return pick_stage(drop_stale(swarm, max_age_s=2 * ANNOUNCE_PERIOD_S + 1.5))
 
 
 def run_node(manifest: Manifest, stage: str, initial_peers: Sequence[str], host: str, port: int,
@@ -159,10 +161,12 @@ def node_summary(node) -> dict:
         "bytes_sent_downstream": node.stats_out.payload_bytes_sent,
         "bytes_received_upstream": node.stats_in.payload_bytes_received,
         "bytes_sent_upstream": node.stats_in.payload_bytes_sent,
-        "rounds_ok": sync.rounds_ok if sync else 0,
-        "rounds_failed": sync.rounds_failed if sync else 0,
-        "local_steps": sync.local_steps if sync else 0,
-        "resyncs": sync.resyncs if sync else 0,
+        "rounds_ok": sum(s.rounds_ok for s in node._syncs),
+        "rounds_failed": sum(s.rounds_failed for s in node._syncs),
+        "local_steps": sum(s.local_steps for s in node._syncs),
+        "resyncs": sum(s.resyncs for s in node._syncs),
+        "aborted_rounds": sum(s.aborted_rounds for s in node._syncs),
+        "moves": node.moves,
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),
         "events": node.events[-50:],
@@ -204,6 +208,7 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], host: str, por
             "microbatches": out["stats"]["counts"],
             "errors": out["stats"]["errors"],
             "loss_curve": out["stats"]["loss_curve"],
+            "started_at": trainer.started_at,  # unix time of the loss curve's wall_s = 0
             "val_loss": out["val_loss"],
             "bytes_sent": trainer.transfer.payload_bytes_sent,
             "wall_s": time.time() - t0,

@@ -3,6 +3,12 @@
 It sends token ids to a head-stage peer and gets the loss back; activations then travel stage to stage without
 it. Several microbatches stay in flight so stages never wait on the trainer. Accounting is per microbatch:
 submitted, completed, retried, abandoned; tokens count once, when the microbatch completes.
+
+Failures are routed around, not punished blindly: a head peer that fails itself is banned for a while; a head that
+reports trouble further down the pipeline ("retries_exhausted", "no_peers") is only skipped for this microbatch,
+since the head did nothing wrong. Bans are preferences: when every head is banned the microbatch still goes to one
+of them rather than being abandoned. An empty stage makes the trainer wait (with a status line) instead of burning
+its bounded retries.
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ from hivemind import DHT
 from agora.config import Manifest
 from agora.data import TokenDataset
 from agora.swarm import transport
-from agora.swarm.node import FWD_BWD, RETRYABLE
+from agora.swarm.node import BANNABLE, FWD_BWD, RETRYABLE
 from agora.swarm.records import ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_swarm, trainers_key
-from agora.swarm.routing import BanList, pick_peer
+from agora.swarm.routing import BanList, pick_peer_or_fallback
 from agora.swarm.transport import RpcError, TransferStats
 
 logger = logging.getLogger("agora.trainer")
@@ -36,6 +42,7 @@ class TrainerOptions:
     call_timeout_s: float = 120.0
     ban_s: float = 15.0
     status_every_s: float = 5.0
+    retry_backoff_s: float = 0.5  # pause before retrying a peer this microbatch already tried
 
 
 @dataclass
@@ -79,6 +86,7 @@ class Trainer:
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="trainer-dht")
         self._p2p = None
         self._t0 = time.monotonic()
+        self.started_at = time.time()  # wall-clock anchor of the loss curve's ``wall_s`` (merged across processes)
         self._empty_since: dict[int, float] = {}
 
     async def run_io(self, fn, *args):
@@ -132,20 +140,21 @@ class Trainer:
             await self.refresh()
         return False
 
-    async def send(self, batch: torch.Tensor, train: bool = True) -> Optional[float]:
+    # Codes with which a head reports a failure downstream of it: retry elsewhere, but do not ban the head.
+    DOWNSTREAM_CODES = ("retries_exhausted", "no_peers")
+
+    async def send(self, batch: torch.Tensor, train: bool = True, stop: Optional[asyncio.Event] = None) -> Optional[float]:
         """One microbatch through the pipeline; returns its loss, or None if abandoned after bounded retries."""
         tokens = batch[:, :-1].to(torch.int32).contiguous()
         last = batch[:, -1].to(torch.int32).contiguous()
         meta = {"run_id": self.manifest.run_id, "manifest_hash": self.manifest.hash, "stage": 0, "train": train}
         tried: list[str] = []
         for attempt in range(self.opts.max_retries + 1):
-            peer = pick_peer(self.swarm[0], tokens.numel(), exclude=tried, bans=self.bans, inflight=self.inflight)
+            peer = await self._next_head(tokens.numel(), tried, stop)
             if peer is None:
-                await asyncio.sleep(0.5)
-                await self.refresh()
-                peer = pick_peer(self.swarm[0], tokens.numel(), exclude=tried, bans=self.bans, inflight=self.inflight)
-                if peer is None:
-                    continue
+                return None  # stopped, or no head appeared within the call timeout
+            if peer.peer_id in tried:
+                await asyncio.sleep(self.opts.retry_backoff_s * attempt)
             self.inflight[peer.peer_id] = self.inflight.get(peer.peer_id, 0) + 1
             try:
                 reply, _ = await transport.call(
@@ -157,11 +166,12 @@ class Trainer:
                 return float(loss) if loss is not None else None
             except RpcError as err:
                 self.stats.errors[err.code] = self.stats.errors.get(err.code, 0) + 1
-                if err.code not in RETRYABLE and err.code not in ("retries_exhausted", "no_peers"):
+                if err.code not in RETRYABLE and err.code not in self.DOWNSTREAM_CODES:
                     logger.error(f"microbatch refused by the pipeline: {err}")
                     return None
                 tried.append(peer.peer_id)
-                self.bans.ban(peer.peer_id)
+                if err.code in BANNABLE:
+                    self.bans.ban(peer.peer_id)
                 if train:
                     self.stats.counts.retried += 1
                 logger.warning(f"microbatch via {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
@@ -169,16 +179,28 @@ class Trainer:
                 self.inflight[peer.peer_id] -= 1
         return None
 
-    async def _one(self) -> None:
+    async def _next_head(self, job_tokens: int, tried: list[str], stop: Optional[asyncio.Event]) -> Optional[StageRecord]:
+        """A head peer for the next attempt; waits (bounded by the call timeout) while the head stage is empty."""
+        deadline = time.monotonic() + self.opts.call_timeout_s
+        while True:
+            peer = pick_peer_or_fallback(self.swarm[0], job_tokens, tried=tried, bans=self.bans, inflight=self.inflight)
+            if peer is not None or time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                return peer
+            await asyncio.sleep(0.5)
+            await self.refresh()
+
+    async def _one(self, stop: Optional[asyncio.Event] = None) -> None:
         batch = next(self._batches)
         self.stats.counts.submitted += 1
-        loss = await self.send(batch)
+        submitted_s = time.monotonic() - self._t0
+        loss = await self.send(batch, stop=stop)
         if loss is None or not math.isfinite(loss):
             self.stats.counts.abandoned += 1
             return
         self.stats.counts.completed += 1
         self.stats.tokens += batch.shape[0] * (batch.shape[1] - 1)
-        self.stats.loss_curve.append({"tokens": self.stats.tokens, "loss": loss, "wall_s": time.monotonic() - self._t0})
+        self.stats.loss_curve.append({"tokens": self.stats.tokens, "loss": loss, "wall_s": time.monotonic() - self._t0,
+                                      "submitted_s": submitted_s})
 
     # ------------------------------------------------------------------ the loop
     async def run(self, stop: asyncio.Event, max_tokens: Optional[int] = None) -> TrainerStats:
@@ -189,7 +211,7 @@ class Trainer:
                 if not await self._wait_for_full_pipeline(stop):
                     break
                 while len(workers) < self.opts.in_flight:
-                    workers.add(asyncio.create_task(self._one()))
+                    workers.add(asyncio.create_task(self._one(stop)))
                 done, workers = await asyncio.wait(workers, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 workers = set(workers)
                 for task in done:

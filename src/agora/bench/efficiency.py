@@ -1,0 +1,63 @@
+"""``agora bench efficiency``: the swarm against the centralized baseline, side by side in one run.
+
+Same manifest, data and token budget:
+  (a) centralized: ``train-local`` with every core of the machine,
+  (b) the local swarm (stages x replicas processes + trainer + bootstrap) on the same cores.
+Reported: tokens per pooled CPU-second (every process of the swarm counted, hivemind's DHT/averager processes and
+libp2p daemons included), their ratio, wall-clock tokens/s, and validation loss at equal tokens.
+
+Both runs share the machine's cores, so the pooled CPU-second ratio is the fair efficiency figure; wall-clock
+numbers are reported too but depend on how many processes compete for two cores.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+from agora.bench.common import markdown_table, write_result
+from agora.swarm.demo import demo_manifest, run_demo
+from agora.train_local import train_local
+
+
+def run(
+    out: Path,
+    preset: str = "small",
+    steps: int = 20,
+    stages: int = 3,
+    replicas: int = 2,
+    in_flight: int = 4,
+    link_mbps: Optional[float] = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    out = Path(out)
+    manifest = demo_manifest(preset, stages)
+    cores = os.cpu_count() or 1
+    log(f"[efficiency] centralized: {preset}, {steps} steps, {cores} threads")
+    central = train_local(manifest, steps, out / "centralized", val_batches=4, threads=cores)
+    log(f"[efficiency] swarm: {stages} stages x {replicas} replicas, {steps} steps")
+    swarm = run_demo(preset=preset, stages=stages, replicas=replicas, steps=steps, out=out / "swarm",
+                     in_flight=in_flight, live=False, timeout=3600)
+    rows = [
+        ["centralized", central["tokens"], central["wall_s"], central["cpu_s"], central["tokens_per_s"],
+         central["tokens_per_cpu_s"], central["val_loss"]],
+        ["swarm", swarm["tokens"], swarm["wall_s"], swarm["cpu_s_total"], swarm["tokens_per_s"],
+         swarm["tokens_per_cpu_s"], swarm["val_loss"]],
+    ]
+    ratio = swarm["tokens_per_cpu_s"] / central["tokens_per_cpu_s"]
+    wall_ratio = swarm["tokens_per_s"] / central["tokens_per_s"]
+    md = markdown_table(["run", "tokens", "wall s", "pooled CPU s", "tokens/s", "tokens per CPU-s", "val loss"], rows)
+    md += (f"\n\nswarm / centralized tokens per pooled CPU-second: **{ratio:.3f}**; wall-clock tokens/s ratio "
+           f"{wall_ratio:.3f}. Validation loss ratio (swarm/centralized): "
+           f"{(swarm['val_loss'] or float('nan')) / central['val_loss']:.4f}\n")
+    result = {"preset": preset, "steps": steps, "stages": stages, "replicas": replicas, "cores": cores,
+              "centralized": {k: central[k] for k in ("tokens", "wall_s", "cpu_s", "tokens_per_s",
+                                                      "tokens_per_cpu_s", "val_loss")},
+              "swarm": {k: swarm[k] for k in ("tokens", "wall_s", "cpu_s_total", "tokens_per_s", "tokens_per_cpu_s",
+                                              "val_loss", "microbatches", "cpu_s_by_process", "finished")},
+              "ratio_tokens_per_cpu_s": ratio, "ratio_tokens_per_s": wall_ratio}
+    write_result(out, "efficiency", result, md)
+    log(md)
+    return result
+

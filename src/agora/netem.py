@@ -1,0 +1,328 @@
+"""Link emulation for throughput experiments: an in-transport throttle and a network-namespace testbed.
+
+Why two backends: the paper results we compare against were measured over slow links (80-300 Mb/s, tens of ms).
+:class:`LinkThrottle` emulates that inside one process (works everywhere, no privileges, cheap: it only sleeps),
+and is how latency is injected at all, because the machines we run on may lack the ``netem`` qdisc.
+:class:`NetnsTopology` builds real, kernel-enforced bandwidth caps (``tc tbf``) between network namespaces,
+which also catches effects an in-process throttle cannot (TCP slow start, queueing, libp2p framing).
+
+LinkThrottle integration (lead, ``src/agora/swarm/transport.py``): one throttle per process = this peer's egress
+link, shared by every call and handler (concurrent senders queue behind each other, as on a real uplink)::
+
+    throttle = LinkThrottle.from_env()        # None unless AGORA_LINK="80mbit,50ms" (or "50ms", "80mbit") is set
+    # _call._send_all, before each write:
+    for i, request in enumerate(requests):
+        if throttle: await throttle.send(request.ByteSize(), latency=(i == 0))
+        await P2P.send_protobuf(request, writer)
+    # add_handler._serve, before each ``yield reply``: the same, with latency=(first reply)
+
+A message of B bytes then takes at least ``latency + B*8/X`` to leave, and a request/reply RPC pays the latency
+twice (once per direction), like a real path with RTT = 2 * latency. Throttling the sender only is deliberate:
+every peer throttles its own egress, so each link is counted exactly once. The hivemind averager and DHT traffic
+bypass our transport and are not throttled; use the namespace backend to cap those too.
+
+Namespace backend: ``with NetnsTopology(3, mbps=80) as topo:`` creates a hub namespace holding a bridge and N peer
+namespaces, each with a veth ``eth0`` on the bridge and address ``10.231.0.<i+1>/24``, egress capped by
+``tc qdisc add dev eth0 root tbf rate <X>mbit burst <b> latency <q>ms``. Everything lives in namespaces this code
+creates (the root namespace is never touched: no bridge, no route, no address there), the /24 is only ever
+configured inside them, and they have no uplink, so nothing can reach any outside address. ``topo.popen(i, argv)``
+runs a process inside peer i (``ip netns exec``); exit kills those processes and deletes every namespace created,
+also when setup or the body raised. :func:`cleanup_stale` removes leftovers of a crashed process (by our naming
+pattern and a dead creator pid only). Requires root, ``ip`` and ``tc`` (iproute2); :func:`available` says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["LinkThrottle", "NetnsTopology", "NetnsPeer", "available", "cleanup_stale", "parse_link_spec"]
+
+# ------------------------------------------------------------------------------------------ in-process throttle
+
+_SPEC = re.compile(r"^\s*(?:(?P<rate>[\d.]+)\s*(?P<unit>[kmg]?)bit)?\s*,?\s*(?:(?P<lat>[\d.]+)\s*ms)?\s*$", re.I)
+
+
+def parse_link_spec(spec: str) -> Tuple[Optional[float], float]:
+    """``"80mbit,50ms"`` -> ``(80.0, 50.0)``; ``"50ms"`` -> ``(None, 50.0)``; ``"1gbit"`` -> ``(1000.0, 0.0)``."""
+    match = _SPEC.match(spec or "")
+    if not match or not (match["rate"] or match["lat"]):
+        raise ValueError(f"link spec must look like '80mbit,50ms', '500kbit' or '20ms', got {spec!r}")
+    mbps = None
+    if match["rate"]:
+        mbps = float(match["rate"]) * {"k": 1e-3, "m": 1.0, "g": 1e3, "": 1e-6}[match["unit"].lower()]
+    return mbps, float(match["lat"] or 0.0)
+
+
+class LinkThrottle:
+    """Token bucket pacing one link at ``mbps`` (10^6 bit/s) with a fixed one-way ``latency_ms``.
+
+    Virtual-time implementation (GCRA): ``_tat`` is when the link finishes what was already reserved. A send of
+    ``n`` bytes reserves ``n*8/rate`` seconds after that (or after now, minus the burst credit, if the link is
+    idle) and sleeps until its bytes are through, plus the latency if asked. Reservation is atomic (a lock), so
+    concurrent senders -- tasks of one event loop or threads -- share the rate fairly in FIFO order.
+
+    With ``burst_bytes = 0`` (default) a transfer of B bytes takes at least ``B*8/X`` seconds (+ latency);
+    with a burst ``b``, an idle link lets the first ``b`` bytes through immediately: at least ``(B-b)*8/X``.
+
+    :param mbps: rate cap in Mbit/s; None = unlimited (latency only)
+    """
+
+    def __init__(self, mbps: Optional[float], latency_ms: float = 0.0, burst_bytes: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
+        if mbps is not None and mbps <= 0:
+            raise ValueError(f"mbps must be positive or None, got {mbps}")
+        if latency_ms < 0 or burst_bytes < 0:
+            raise ValueError("latency_ms and burst_bytes must be non-negative")
+        self.mbps, self.latency_s, self.burst_bytes = mbps, latency_ms / 1e3, burst_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tat = float("-inf")
+        self.bytes_sent = 0
+        self.seconds_waited = 0.0
+
+    @classmethod
+    def from_spec(cls, spec: str, **kwargs) -> "LinkThrottle":
+        mbps, latency_ms = parse_link_spec(spec)
+        return cls(mbps, latency_ms, **kwargs)
+
+    @classmethod
+    def from_env(cls, var: str = "AGORA_LINK") -> Optional["LinkThrottle"]:
+        """A throttle from the env var ``var`` (e.g. ``AGORA_LINK=80mbit,50ms``), or None if unset/empty."""
+        spec = os.environ.get(var, "").strip()
+        return cls.from_spec(spec) if spec else None
+
+    def seconds_for(self, nbytes: int) -> float:
+        return 0.0 if self.mbps is None else nbytes * 8 / (self.mbps * 1e6)
+
+    def reserve(self, nbytes: int) -> float:
+        """Book ``nbytes`` on the link; returns the seconds until they have left (excluding latency)."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, got {nbytes}")
+        with self._lock:
+            now = self._clock()
+            self.bytes_sent += nbytes
+            if self.mbps is None:
+                return 0.0
+            start = max(self._tat, now - self.seconds_for(self.burst_bytes))
+            self._tat = start + self.seconds_for(nbytes)
+            return max(0.0, self._tat - now)
+
+    async def send(self, nbytes: int, *, latency: bool = True) -> None:
+        """Wait until ``nbytes`` would have crossed the link; add the one-way latency if ``latency``.
+
+        Call before writing each chunk, with ``latency=True`` for the first chunk of a message only.
+        """
+        wait = self.reserve(nbytes) + (self.latency_s if latency else 0.0)
+        self.seconds_waited += wait
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    def send_blocking(self, nbytes: int, *, latency: bool = True) -> None:
+        """:meth:`send` for threads (e.g. a compute thread pushing a checkpoint)."""
+        wait = self.reserve(nbytes) + (self.latency_s if latency else 0.0)
+        self.seconds_waited += wait
+        if wait > 0:
+            time.sleep(wait)
+
+
+# ------------------------------------------------------------------------------------------ namespace backend
+
+SUBNET = "10.231.0"  # a /24 used only inside namespaces created here
+_NAME = re.compile(r"^agora-netem-(?P<pid>\d+)-(?P<serial>\d+)-(?:hub|p\d+)$")
+_serial = itertools.count()
+_available: Optional[Tuple[bool, str]] = None
+
+
+def _run(argv: Sequence[str], check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", *args], check=check)
+
+
+def _tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["tc", *args], check=check)
+
+
+def list_namespaces() -> List[str]:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def available(refresh: bool = False) -> Tuple[bool, str]:
+    """Whether namespaces, veth, bridge and tbf work here: ``(True, "ok")`` or ``(False, reason)``.
+
+    Probes once per process by building (and removing) a throwaway namespace with a bridge, a veth and a tbf.
+    """
+    global _available
+    if _available is not None and not refresh:
+        return _available
+    if os.name != "posix" or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        _available = (False, "needs root (network namespaces and tc)")
+        return _available
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            _available = (False, f"'{tool}' (iproute2) not found")
+            return _available
+    name = f"agora-netem-{os.getpid()}-{next(_serial)}-hub"
+    try:
+        _ip("netns", "add", name)
+        _ip("-n", name, "link", "add", "br0", "type", "bridge")
+        _ip("-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        _ip("-n", name, "link", "set", "v0", "up")
+        _tc("-n", name, "qdisc", "add", "dev", "v0", "root", "tbf", "rate", "8mbit", "burst", "16384",
+            "latency", "50ms")
+        _available = (True, "ok")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        _available = (False, f"probe failed: {err}")
+    finally:
+        _ip("netns", "del", name, check=False)
+    return _available
+
+
+def cleanup_stale() -> List[str]:
+    """Delete namespaces named by this module whose creating process is gone; returns the names removed."""
+    removed = []
+    for name in list_namespaces():
+        match = _NAME.match(name)
+        if not match or _pid_alive(int(match["pid"])):
+            continue
+        if _ip("netns", "del", name, check=False).returncode == 0:
+            removed.append(name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class NetnsPeer:
+    index: int
+    netns: str
+    address: str  # inside the namespace only, e.g. 10.231.0.1
+    device: str = "eth0"
+
+
+class NetnsTopology:
+    """N peer namespaces on a bridge (in a hub namespace), each peer's egress capped with ``tc tbf``.
+
+    :param n: number of peers (at most 250)
+    :param mbps: egress cap of every peer in Mbit/s (None: uncapped)
+    :param burst_bytes: tbf bucket size; a transfer of B bytes takes at least ``(B - burst)*8/X`` seconds
+      (the bucket starts full). Must hold at least one packet: >= 2 KiB, 16 KiB is safe at any rate.
+    :param queue_ms: tbf ``latency``: how long a packet may queue before being dropped (not a delay!)
+    """
+
+    def __init__(self, n: int, *, mbps: Optional[float] = None, burst_bytes: int = 16384, queue_ms: float = 50.0):
+        if not 1 <= n <= 250:
+            raise ValueError(f"n must be in 1..250, got {n}")
+        if mbps is not None and mbps <= 0:
+            raise ValueError(f"mbps must be positive or None, got {mbps}")
+        if burst_bytes < 2048:
+            raise ValueError("burst_bytes must hold at least one full packet (>= 2048)")
+        self.n, self.mbps, self.burst_bytes, self.queue_ms = n, mbps, burst_bytes, queue_ms
+        base = f"agora-netem-{os.getpid()}-{next(_serial)}"
+        self.hub = f"{base}-hub"
+        self.peers = [NetnsPeer(i, f"{base}-p{i}", f"{SUBNET}.{i + 1}") for i in range(n)]
+        self.created: List[str] = []
+        self._procs: List[subprocess.Popen] = []
+
+    @property
+    def namespaces(self) -> List[str]:
+        return [self.hub] + [p.netns for p in self.peers]
+
+    def __enter__(self) -> "NetnsTopology":
+        ok, reason = available()
+        if not ok:
+            raise RuntimeError(f"network namespaces unavailable: {reason}")
+        try:
+            self._setup()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _add_namespace(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self.created.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _setup(self) -> None:
+        self._add_namespace(self.hub)
+        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "link", "set", "br0", "up")
+        for peer in self.peers:
+            self._add_namespace(peer.netns)
+            port = f"v{peer.index}"
+            # Both ends are created in namespaces we own; the root namespace never sees them.
+            _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", peer.device, "netns", peer.netns)
+            _ip("-n", self.hub, "link", "set", port, "master", "br0")
+            _ip("-n", self.hub, "link", "set", port, "up")
+            _ip("-n", peer.netns, "addr", "add", f"{peer.address}/24", "dev", peer.device)
+            _ip("-n", peer.netns, "link", "set", peer.device, "up")
+            if self.mbps is not None:
+                self.set_rate(peer.index, self.mbps, add=True)
+
+    def set_rate(self, index: int, mbps: float, *, add: bool = False) -> None:
+        """(Re)cap peer ``index``'s egress at ``mbps``."""
+        peer = self.peers[index]
+        _tc("-n", peer.netns, "qdisc", "add" if add else "replace", "dev", peer.device, "root", "tbf",
+            "rate", f"{mbps}mbit", "burst", str(self.burst_bytes), "latency", f"{self.queue_ms}ms")
+
+    def exec_argv(self, index: int, argv: Sequence[str]) -> List[str]:
+        return ["ip", "netns", "exec", self.peers[index].netns, *argv]
+
+    def popen(self, index: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside peer ``index``; it is killed at teardown if still running."""
+        proc = subprocess.Popen(self.exec_argv(index, argv), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, index: int, argv: Sequence[str], timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(self.exec_argv(index, argv), timeout=timeout, **kwargs)
+
+    def teardown(self) -> None:
+        """Kill our processes, delete every namespace we created (the bridge and veths go with them)."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self._procs.clear()
+        errors: Dict[str, str] = {}
+        for name in reversed(self.created):
+            result = _ip("netns", "del", name, check=False)
+            if result.returncode != 0 and name in list_namespaces():
+                errors[name] = result.stderr.strip()
+        self.created = [name for name in self.created if name in errors]
+        if errors:
+            raise RuntimeError(f"could not delete namespaces: {errors}")

@@ -1,0 +1,248 @@
+"""Offline evaluation of SENTINEL on real boundary traffic of a preset model (tests; a future ``agora bench sentinel``).
+
+Honest traffic is exact, not simulated: the preset's head and tail ``Stage`` run forward and backward on token
+batches of a synthetic language (Zipf unigrams mixed with a sparse random bigram table, closer to text than
+uniform tokens), and we keep, per *sequence*, the boundary coordinates [T, k] and the gradient of the microbatch's
+mean loss with respect to them. Sequences do not interact in a decoder, so any 8 pool sequences stacked together
+are exactly the messages that microbatch would produce: a pool of a few hundred sequences yields unlimited,
+distinct, honest microbatches for a few seconds of compute.
+
+A stream interleaves three senders serving the same stage (two honest replicas, one attacker; each draws from its
+own disjoint share of the pool, i.e. its own data), in random order each round, into one ``SentinelMonitor`` as the
+receiver would see them: ``fwd`` = boundary coordinates arriving at the next stage, ``bwd`` = gradients arriving
+back (with ``paired`` = the coordinates the receiver had sent). The attacker behaves until ``attack_start`` rounds
+have passed, then corrupts every message with ``apply_attack``; once banned it is routed no more work.
+
+Reported per attack kind and strength: message-level precision / recall / F1 of flags, whether the attacker was
+banned and after how many corrupted messages (detection delay), honest senders banned, and the honest flag rate;
+plus a clean stream's false-positive rate.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from agora.config import Manifest, load_manifest
+from agora.model import Stage
+from agora.security.attacks import AttackState, apply_attack
+from agora.security.sentinel import SentinelConfig, SentinelMonitor
+from agora.wire import Boundary, decompress
+
+# (weak, moderate) strengths per kind; the tests use the moderate ones.
+EVAL_STRENGTHS: dict[str, tuple[float, float]] = {
+    "gaussian": (0.25, 1.0),
+    "sign_flip": (0.5, 1.0),
+    "scale": (1.3, 4.0),
+    "zero": (0.1, 1.0),
+    "bias": (0.2, 0.5),
+    "replay": (4.0, 1.0),
+    "stale": (1.0, 4.0),
+    "nan": (0.001, 1.0),
+}
+
+
+@dataclass
+class HonestPool:
+    """Per-sequence boundary traffic of one model: ``fwd``/``bwd`` [S, T, k], ``tokens`` [S, T] int32."""
+
+    fwd: Tensor
+    bwd: Tensor
+    tokens: Tensor
+    microbatch: int
+    loss: float  # mean training loss of the pool's batches (how trained the model is)
+
+
+def synthetic_batch(gen: torch.Generator, vocab: int, batch: int, seq_len: int,
+                    table: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+    """(tokens, next tokens), each [batch, seq_len]: 70 % bigram successor, 30 % Zipf unigram draw."""
+    tok = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    tok[:, 0] = torch.multinomial(probs, batch, replacement=True, generator=gen)
+    for i in range(1, seq_len + 1):
+        succ = table[tok[:, i - 1], torch.randint(0, table.shape[1], (batch,), generator=gen)]
+        uni = torch.multinomial(probs, batch, replacement=True, generator=gen)
+        tok[:, i] = torch.where(torch.rand(batch, generator=gen) < 0.7, succ, uni)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def make_pool(manifest: "Manifest | str" = "tiny", n_sequences: int = 240, seed: int = 0,
+              train_steps: int = 0, boundary: int = 0) -> HonestPool:
+    """Run stage ``boundary`` and ``boundary + 1`` of the preset (stages in between are not supported: the pool is
+    for two-stage boundary traffic) and collect per-sequence messages. ``train_steps`` of Adam first make the
+    model less trivial (trained statistics are more structured, which helps odd features such as sign flips)."""
+    m = load_manifest(manifest) if isinstance(manifest, str) else manifest
+    if m.residual.mode != "subspace":
+        raise ValueError("the offline SENTINEL evaluation expects a subspace-mode manifest")
+    torch.manual_seed(seed)
+    head, tail = Stage(m, boundary), Stage(m, boundary + 1)
+    if not (head.spec.is_head and tail.spec.is_tail):
+        raise ValueError("make_pool needs a two-stage manifest (head and tail around the boundary)")
+    gen = torch.Generator().manual_seed(seed)
+    V, T, B = m.model.vocab_size, m.model.seq_len, m.batch.microbatch_size
+    probs = 1.0 / torch.arange(1, V + 1, dtype=torch.float64) ** 1.1
+    table = torch.randint(0, V, (V, 4), generator=gen)
+
+    def run(tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        out = head(tokens)
+        coords = out @ head.basis
+        leaf = coords.detach().clone().requires_grad_(True)
+        x = decompress(Boundary(leaf, tokens.int(), "subspace"), tail.basis, tail.frozen_embed)
+        loss = tail.loss(tail(x), targets)
+        loss.backward()
+        return coords, leaf.grad, loss, out
+
+    if train_steps:
+        opt = torch.optim.Adam([*head.parameters(), *tail.parameters()], lr=m.optimizer.lr)
+        for _ in range(train_steps):
+            coords, grad, _, _ = run(*synthetic_batch(gen, V, B, T, table, probs))
+            coords.backward(grad)
+            opt.step()
+            opt.zero_grad()
+    fwd, bwd, toks, losses = [], [], [], []
+    for _ in range((n_sequences + B - 1) // B):
+        tokens, targets = synthetic_batch(gen, V, B, T, table, probs)
+        coords, grad, loss, _ = run(tokens, targets)
+        head.zero_grad(set_to_none=True)
+        tail.zero_grad(set_to_none=True)
+        fwd.append(coords.detach())
+        bwd.append(grad.detach().clone())
+        toks.append(tokens.int())
+        losses.append(float(loss.detach()))
+    return HonestPool(torch.cat(fwd)[:n_sequences], torch.cat(bwd)[:n_sequences], torch.cat(toks)[:n_sequences],
+                      B, sum(losses) / len(losses))
+
+
+@dataclass
+class StreamResult:
+    kind: str
+    strength: float
+    direction: str
+    attacker_banned: bool
+    delay: Optional[int]  # corrupted attacker messages up to and including the one that got it banned
+    honest_banned: int
+    tp: int
+    fp: int
+    fn: int
+    tn: int
+    honest_flag_rate: float
+    first_reasons: list
+
+    @property
+    def precision(self) -> float:
+        return self.tp / (self.tp + self.fp) if self.tp + self.fp else 1.0
+
+    @property
+    def recall(self) -> float:
+        return self.tp / (self.tp + self.fn) if self.tp + self.fn else 1.0
+
+    @property
+    def f1(self) -> float:
+        p, r = self.precision, self.recall
+        return 2 * p * r / (p + r) if p + r else 0.0
+
+
+def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, strength: float = 0.0,
+               config: Optional[SentinelConfig] = None, rounds: int = 60, attack_start: int = 20,
+               seed: int = 0, n_honest: int = 2) -> StreamResult:
+    """One interleaved stream through a fresh monitor. ``kind=None``: a clean stream of ``n_honest + 1`` honest
+    senders (the third plays the attacker's seat but behaves)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    monitor = SentinelMonitor(config or SentinelConfig())
+    senders = [f"honest-{i}" for i in range(n_honest)] + ["attacker"]
+    S = pool.fwd.shape[0]
+    order = list(range(S))
+    rng.shuffle(order)
+    shares = {s: order[i::len(senders)] for i, s in enumerate(senders)}
+    state = AttackState()
+    tp = fp = fn = tn = 0
+    honest_flags = honest_msgs = 0
+    delay: Optional[int] = None
+    corrupted = 0
+    first_reasons: list = []
+    for r in range(rounds):
+        rng.shuffle(senders)
+        for who in senders:
+            if monitor.banned(who) and who == "attacker":
+                continue  # a banned peer is routed no more work
+            idx = torch.tensor(rng.sample(shares[who], pool.microbatch))
+            coords, grad, tokens = pool.fwd[idx], pool.bwd[idx], pool.tokens[idx]
+            msg = coords if direction == "fwd" else grad
+            bad = False
+            if who == "attacker" and kind is not None:
+                if r >= attack_start:
+                    msg, bad = apply_attack(kind, strength, msg, gen, state), True
+                    corrupted += 1
+                else:
+                    state.remember(msg)  # replay / stale attacks draw on what it sent while behaving
+            v = monitor.observe(who, 0, direction, msg, step=r, tokens=tokens,
+                                paired=coords if direction == "bwd" else None)
+            if bad:
+                tp += v.flagged
+                fn += not v.flagged
+                if v.flagged and not first_reasons:
+                    first_reasons = v.reasons[:3]
+                if v.banned and delay is None:
+                    delay = corrupted
+            else:
+                fp += v.flagged
+                tn += not v.flagged
+                if who != "attacker":
+                    honest_msgs += 1
+                    honest_flags += v.flagged
+    honest_banned = sum(monitor.banned(s) for s in senders if s != "attacker")
+    attacker_banned = monitor.banned("attacker")
+    return StreamResult(kind or "clean", strength, direction, attacker_banned if kind else False,
+                        delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
+
+
+def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, Sequence[float]]] = None,
+             config: Optional[SentinelConfig] = None, rounds: int = 60, attack_start: int = 20,
+             clean_rounds: int = 100, seed: int = 0, train_steps: int = 0,
+             pool: Optional[HonestPool] = None) -> dict:
+    """Every kind x strength x direction, plus clean streams. Returns a JSON-able report (see ``format_report``)."""
+    t0 = time.perf_counter()
+    pool = pool or make_pool(manifest, seed=seed, train_steps=train_steps)
+    t_pool = time.perf_counter() - t0
+    strengths = strengths or EVAL_STRENGTHS
+    rows = []
+    for kind, values in strengths.items():
+        for strength in values:
+            for direction in ("fwd", "bwd"):
+                res = run_stream(pool, direction, kind, strength, config, rounds, attack_start, seed)
+                rows.append(dict(asdict(res), precision=res.precision, recall=res.recall, f1=res.f1))
+    clean = []
+    for direction in ("fwd", "bwd"):
+        res = run_stream(pool, direction, None, 0.0, config, clean_rounds, clean_rounds, seed + 1)
+        clean.append({"direction": direction, "messages": res.tn + res.fp, "flags": res.fp,
+                      "false_positive_rate": res.fp / max(res.tn + res.fp, 1), "bans": res.honest_banned})
+    return {"pool_loss": pool.loss, "pool_seconds": t_pool, "seconds": time.perf_counter() - t0,
+            "attacks": rows, "clean": clean}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"SENTINEL offline evaluation (pool loss {report['pool_loss']:.2f}, {report['seconds']:.1f} s)",
+             f"{'attack':<12}{'strength':>9} {'dir':<4}{'banned':>7}{'delay':>6}{'honest bans':>12}"
+             f"{'prec':>6}{'recall':>7}{'F1':>6}  first reasons"]
+    for r in report["attacks"]:
+        lines.append(
+            f"{r['kind']:<12}{r['strength']:>9g} {r['direction']:<4}{str(r['attacker_banned']):>7}"
+            f"{str(r['delay']) if r['delay'] is not None else '-':>6}{r['honest_banned']:>12}"
+            f"{r['precision']:>6.2f}{r['recall']:>7.2f}{r['f1']:>6.2f}  {', '.join(r['first_reasons'])}"
+        )
+    for c in report["clean"]:
+        lines.append(f"clean {c['direction']}: {c['flags']}/{c['messages']} flagged "
+                     f"(FPR {c['false_positive_rate']:.3f}), {c['bans']} bans")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m agora.security.evaluate [train_steps]
+    import sys
+
+    torch.set_num_threads(1)
+    print(format_report(evaluate(train_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 0)))

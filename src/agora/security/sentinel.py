@@ -1,0 +1,547 @@
+"""SENTINEL: cheap statistical monitoring of the tensors that cross stage boundaries (METHODS s5).
+
+Why: in a permissionless swarm any peer can serve a stage, and a stage cannot recompute its neighbours' work. What it
+*can* do is notice that a neighbour's messages do not look like everybody else's: honest replicas of a stage run
+the same weights on data from the same distribution, so their boundary messages are statistically alike. A
+receiver therefore keeps, per (boundary, direction), a reference of what honest messages look like, and per sender a
+record of how that sender deviates from it.
+
+What is measured (``fingerprint``), on the message flattened to tokens x channels, all scale-free:
+
+* ``log_rms``; ``norm_cv`` (spread of per-token norms); ``log_peak`` (max-abs / rms); ``zero_frac``;
+* the message's mean vector / rms, projected on a few fixed random directions (seeded by the run) and on the
+  running reference mean direction (``mean_ref``): an *odd* statistic, the only kind a sign flip changes;
+* per-channel skewness projected on its reference direction (``skew_ref``, odd as well);
+* ``mean_dist`` / ``profile_dist``: per-channel whitened (diagonal Mahalanobis) distance of the mean vector / the
+  per-channel rms profile to their references: a bias in *any* direction, or noise flattening the profile;
+* ``pair_align`` (optional): mean over tokens of cos(message_t, paired_t). The gradient receiver knows the forward
+  coordinates it sent for that microbatch; once a model has trained a little, honest gradients correlate with them
+  and a flipped gradient anti-correlates. It is NaN (ignored) when no pair is given.
+
+How it decides (``SentinelMonitor.observe``):
+
+1. Hard checks: a non-finite message is flagged and (by default) bans its sender at once.
+2. Replay: a SimHash of a fixed sub-sample of the (centred) message; a near-identical digest seen earlier with
+   *different* token ids is a replay. Same tokens is a legitimate retry and is not flagged.
+3. Warm-up: the first ``warmup`` messages of a (boundary, direction), pooled over senders, set the reference by
+   median / MAD (robust while fewer than half are bad). They are then re-scored, so an attacker present from the
+   start is struck at the end of warm-up rather than admitted.
+4. Per-message robust z-scores against an EMA mean / variance; ``max |z| > kappa`` flags the message.
+5. Per sender and feature, a two-sided CUSUM on the clipped z (``cusum_k``, ``cusum_h``) for small, persistent
+   shifts that no single message reveals.
+6. Peer-relative test: a per-sender EMA of the features against the median of all active senders' EMAs,
+   normalised by the standard deviation of the difference of two honest EMAs (sqrt(2) x the EMA's own: the
+   median is some other sender's EMA). Needs >= 3 senders (with 2 one cannot say who is wrong). Its niche is a
+   reference that the attacker's accepted messages have slowly dragged: the other senders' EMAs do not drift.
+7. Only un-flagged messages of senders in good standing (CUSUM below ``trust_cusum``) update the reference, so an
+   attacker can neither drag it with outliers nor slowly with a sub-threshold bias. Every flag is a strike (a
+   CUSUM alarm ``cusum_strikes``); a sender with ``strikes_to_ban`` strikes within its last ``strike_window``
+   messages is banned (and stays banned until ``unban``).
+
+Sign flips: for zero-mean, symmetric messages no even statistic (rms, norms, peaks, profile) can see ``x -> -x``.
+Measured on the ``tiny`` preset with Zipf/bigram synthetic text (``agora.security.evaluate``), the mean direction is
+consistent enough to catch it: forward coordinates have mean_ref / std ~ 3.6 (a flipped message moves ~7 sigma),
+gradients ~ 2.3 (a flip moves ~4.6 sigma: caught by CUSUM within a few messages rather than one). On data whose
+batch means carry no consistent direction, fingerprints would not see it; ``LossMonitor`` (forward direction) is the
+fallback, and ``pair_align`` helps for gradients once the model has learned something.
+
+Integration into ``StageNode`` (the lead wires it; nothing in ``agora.swarm`` imports this module yet)::
+
+    # __init__
+    self.sentinel = SentinelMonitor(SentinelConfig(seed=manifest.seed))
+    # _handle_fwd_bwd, right after self._validate(meta, tensors), for non-head stages (forward boundary arrives):
+    v = self.sentinel.observe(str(caller), self.stage_index - 1, "fwd", tensors[0], step=meta.get("step"),
+                              tokens=tensors[-2])
+    if v.flagged:
+        raise self._reject("sentinel", "; ".join(v.reasons))        # drop the microbatch, do not compute
+    # _handle_fwd_bwd, after the finite check on down_tensors[0], before run_compute(self._backward, ...):
+    #   _call_next must also return the peer id it actually called (never trust down_meta["path"][0],
+    #   which the downstream peer writes itself).
+    v = self.sentinel.observe(called_peer_id, self.stage_index, "bwd", down_tensors[0], step=self.step,
+                              tokens=pending.tokens, paired=boundary.coords)
+    if v.flagged:
+        raise RpcError("sentinel", ...)                               # drop: do not apply a suspect gradient
+    # routing: pass exclude=[*tried, *self.sentinel.banned_peers()] to pick_peer; a ban here is permanent,
+    # unlike BanList's 15 s failure bans. Publish bans under records.bans_key(run_id) for dashboards; other peers
+    # should treat published bans as advisory evidence, not act on one reporter's word.
+
+The monitor is synchronous and cheap (a few hundred microseconds for a [8, 64, 8] message; linear in size); it
+takes an internal lock, so calling it from the event loop and the compute thread is safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+Direction = Literal["fwd", "bwd"]
+
+BASE_FEATURES = ("log_rms", "norm_cv", "log_peak", "zero_frac")
+TAIL_FEATURES = ("mean_ref", "skew_ref", "mean_dist", "profile_dist", "pair_align")
+VECTORS = ("mean", "skew", "profile")  # per-channel statistics with a reference mean / variance per channel
+
+
+@dataclass(frozen=True)
+class SentinelConfig:
+    """Thresholds and memory of ``SentinelMonitor``. Defaults follow METHODS s5's prototype, tuned on ``tiny``."""
+
+    seed: int = 0  # run seed: the random projections and replay sub-sample (all honest receivers may share it)
+    warmup: int = 48  # pooled messages per (boundary, direction) before any statistical flag
+    beta: float = 0.98  # reference EMA decay (accepted messages only)
+    kappa: float = 6.0  # per-message robust z threshold
+    cusum_k: float = 1.0  # CUSUM slack, in sigmas
+    cusum_h: float = 15.0  # CUSUM alarm level
+    cusum_strikes: int = 2  # an alarm is accumulated evidence, worth more than one outlying message
+    trust_cusum: float = 8.0  # a sender whose CUSUM exceeds this does not update the reference
+    peer_beta: float = 0.95  # per-sender EMA decay for the peer-relative test
+    peer_kappa: float = 6.0  # threshold, in sds of the difference of two honest senders' EMAs
+    peer_min_senders: int = 3
+    peer_min_messages: int = 8  # a sender's EMA is compared only after this many of its messages
+    peer_active_window: int = 200  # senders silent for this many stream messages leave the peer median
+    strikes_to_ban: int = 3
+    strike_window: int = 50  # in messages of that sender
+    n_projections: int = 4
+    sigma_floor: float = 1e-3  # features are scale-free; a constant honest feature still gets a finite sigma
+    nonfinite_bans: bool = True  # NaN/Inf bans at once (it is never an honest statistical fluctuation)
+    replay_bits: int = 64
+    replay_max_distance: int = 8  # Hamming distance (of replay_bits) that counts as the same message
+    replay_memory: int = 1024  # recent digests kept per (boundary, direction)
+    replay_sample: int = 2048  # entries of the message hashed
+
+
+@dataclass
+class Verdict:
+    """What ``observe`` concluded about one message. ``score`` is its largest robust |z| (0 during warm-up)."""
+
+    flagged: bool
+    banned: bool
+    score: float
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Raw:
+    """Per-message statistics that do not depend on the monitor's state."""
+
+    base: np.ndarray  # BASE_FEATURES
+    mean: np.ndarray  # [k] mean vector / rms
+    skew: np.ndarray  # [k] per-channel skewness
+    profile: np.ndarray  # [k] per-channel rms / rms
+    pair_align: float
+
+
+@dataclass
+class _Sender:
+    n: int = 0
+    last_seen: int = 0
+    banned: bool = False
+    strikes: deque = field(default_factory=deque)  # sender message indices of strikes
+    flags: int = 0
+    cusum_pos: Optional[np.ndarray] = None
+    cusum_neg: Optional[np.ndarray] = None
+    ema: Optional[np.ndarray] = None
+    ema_n: int = 0
+
+
+@dataclass
+class _Stream:
+    warm: list = field(default_factory=list)  # [(sender, _Raw)] until ready
+    ready: bool = False
+    n: int = 0
+    mu: Optional[np.ndarray] = None
+    var: Optional[np.ndarray] = None
+    vec_mu: dict = field(default_factory=dict)  # VECTORS name -> per-channel reference mean
+    vec_var: dict = field(default_factory=dict)  # VECTORS name -> per-channel reference variance
+    senders: dict = field(default_factory=dict)
+    digests: deque = field(default_factory=deque)  # (simhash, sender, token_digest)
+
+
+def _seed(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+def _rows(x: Tensor) -> Tensor:
+    x = x.detach().to(torch.float64)
+    if x.dim() == 0:
+        return x.reshape(1, 1)
+    return x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(-1, 1)
+
+
+def fingerprint(x: Tensor, paired: Optional[Tensor] = None) -> _Raw:
+    """State-free statistics of one (finite) message: what ``observe`` z-scores, minus the reference projections."""
+    r = _rows(x)
+    eps = 1e-30
+    rms = float(r.pow(2).mean().sqrt())
+    norms = r.norm(dim=1)
+    norm_mean = float(norms.mean())
+    base = np.array(
+        [
+            math.log(rms + eps),
+            float(norms.std(unbiased=False)) / (norm_mean + eps) if r.shape[0] > 1 else 0.0,
+            math.log(float(r.abs().max()) / (rms + eps) + eps) if rms > 0 else 0.0,
+            float((r == 0).double().mean()),
+        ]
+    )
+    mean = r.mean(0)
+    centred = r - mean
+    m2 = centred.pow(2).mean(0)
+    skew = centred.pow(3).mean(0) / (m2.pow(1.5) + eps)
+    profile = r.pow(2).mean(0).sqrt() / (rms + eps)
+    align = float("nan")
+    if paired is not None and tuple(paired.shape) == tuple(x.shape):
+        p = _rows(paired)
+        align = float(torch.nn.functional.cosine_similarity(r, p, dim=1, eps=1e-30).mean())
+    return _Raw(base, (mean / (rms + eps)).numpy(), skew.numpy(), profile.numpy(), align)
+
+
+class SentinelMonitor:
+    """Per-(boundary, direction) reference statistics and per-sender evidence; see the module docstring."""
+
+    def __init__(self, config: Optional[SentinelConfig] = None):
+        self.cfg = config or SentinelConfig()
+        self._streams: dict[tuple[int, str], _Stream] = {}
+        self._proj: dict[int, np.ndarray] = {}
+        self._hash: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        self._banned: set[str] = set()
+        self._lock = threading.Lock()
+        n = self.cfg.n_projections
+        self.feature_names: tuple[str, ...] = (
+            BASE_FEATURES + tuple(f"mean_proj{i}" for i in range(n)) + TAIL_FEATURES
+        )
+
+    # ------------------------------------------------------------------ public API
+    def observe(
+        self,
+        sender: str,
+        boundary: int,
+        direction: Direction,
+        tensor: Tensor,
+        step: Optional[int] = None,
+        tokens: Optional[Tensor] = None,
+        paired: Optional[Tensor] = None,
+    ) -> Verdict:
+        """Judge one message from ``sender`` crossing ``boundary`` (between stage b and b+1) in ``direction``.
+
+        ``tokens``: the microbatch's token ids (tells a replay from a retry). ``paired``: for ``bwd``, the forward
+        coordinates this receiver sent for the same microbatch (enables ``pair_align``). ``step`` is accepted for
+        logging symmetry and future per-step comparisons; the statistics themselves are step-free EMAs.
+        """
+        if direction not in ("fwd", "bwd"):
+            raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
+        with self._lock:
+            return self._observe(str(sender), int(boundary), direction, tensor, tokens, paired)
+
+    def banned(self, sender: str) -> bool:
+        return str(sender) in self._banned
+
+    def banned_peers(self) -> set[str]:
+        return set(self._banned)
+
+    def unban(self, sender: str) -> None:
+        """Lift a ban and clear the sender's evidence (e.g. after an operator's review)."""
+        with self._lock:
+            self._banned.discard(sender)
+            for stream in self._streams.values():
+                stream.senders.pop(sender, None)
+
+    def strikes(self, sender: str) -> int:
+        return sum(len(s.senders[sender].strikes) for s in self._streams.values() if sender in s.senders)
+
+    def summary(self) -> dict:
+        """Counts for metrics / the dashboard: per stream, messages seen and per-sender flags / ban state."""
+        out = {}
+        for (b, d), s in self._streams.items():
+            out[f"{b}/{d}"] = {
+                "messages": s.n,
+                "ready": s.ready,
+                "senders": {p: {"n": st.n, "flags": st.flags, "banned": st.banned} for p, st in s.senders.items()},
+            }
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _observe(self, sender, boundary, direction, tensor, tokens, paired) -> Verdict:
+        stream = self._streams.setdefault((boundary, direction), _Stream())
+        stream.n += 1
+        st = stream.senders.setdefault(sender, _Sender())
+        st.n += 1
+        st.last_seen = stream.n
+        if not bool(torch.isfinite(tensor).all()):
+            return self._strike(stream, sender, st, ["non_finite"], math.inf, hard=self.cfg.nonfinite_bans)
+
+        raw = fingerprint(tensor, paired)
+        reasons = self._replay_check(stream, sender, tensor, tokens)
+        if not stream.ready:
+            stream.warm.append((sender, raw))
+            if reasons:
+                return self._strike(stream, sender, st, reasons, 0.0)
+            if len(stream.warm) >= self.cfg.warmup:
+                return self._finish_warmup(stream, sender)
+            return Verdict(False, st.banned or sender in self._banned, 0.0, [])
+        return self._score(stream, sender, st, raw, reasons)
+
+    def _features(self, stream: _Stream, raw: _Raw) -> np.ndarray:
+        proj = self._projections(raw.mean.shape[0])
+        mu, var = stream.vec_mu, stream.vec_var
+        floor = self.cfg.sigma_floor**2
+
+        def unit(v: np.ndarray) -> np.ndarray:
+            return v / (np.linalg.norm(v) + 1e-30)
+
+        def dist(name: str, v: np.ndarray) -> float:
+            return float(np.sqrt(np.mean((v - mu[name]) ** 2 / (var[name] + floor))))
+
+        tail = [
+            float(raw.mean @ unit(mu["mean"])),
+            float(raw.skew @ unit(mu["skew"])),
+            dist("mean", raw.mean),
+            dist("profile", raw.profile),
+            raw.pair_align,
+        ]
+        return np.concatenate([raw.base, proj @ raw.mean, np.array(tail)])
+
+    def _projections(self, k: int) -> np.ndarray:
+        if k not in self._proj:
+            gen = torch.Generator().manual_seed(_seed(self.cfg.seed, "sentinel-proj", k))
+            p = torch.randn(self.cfg.n_projections, k, generator=gen, dtype=torch.float64)
+            self._proj[k] = (p / p.norm(dim=1, keepdim=True)).numpy()
+        return self._proj[k]
+
+    def _finish_warmup(self, stream: _Stream, sender: str) -> Verdict:
+        warm, stream.warm = stream.warm, []
+        for name in VECTORS:
+            vecs = np.stack([getattr(r, name) for _, r in warm])
+            stream.vec_mu[name] = np.median(vecs, axis=0)
+            stream.vec_var[name] = (1.4826 * np.median(np.abs(vecs - stream.vec_mu[name]), axis=0)) ** 2
+        feats = np.stack([self._features(stream, r) for _, r in warm])
+        mu, var = np.zeros(feats.shape[1]), np.zeros(feats.shape[1])
+        for j in range(feats.shape[1]):
+            col = feats[np.isfinite(feats[:, j]), j]
+            if col.size:  # a feature never present (pair_align without pairs) stays at 0 and is never scored
+                mu[j] = np.median(col)
+                var[j] = (1.4826 * np.median(np.abs(col - mu[j]))) ** 2
+        stream.mu, stream.var = mu, var
+        stream.ready = True
+        # Re-score the warm-up messages: an attacker present from the start is struck now, and honest warm-up
+        # messages seed the reference EMAs and the per-sender EMAs / CUSUMs exactly as later messages would.
+        verdict = Verdict(False, False, 0.0, [])
+        for who, raw in warm:
+            st = stream.senders[who]
+            v = self._score(stream, who, st, raw, [])
+            if who == sender:
+                verdict = v
+        verdict.banned = sender in self._banned
+        return verdict
+
+    def _score(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str]) -> Verdict:
+        cfg = self.cfg
+        phi = self._features(stream, raw)
+        known = np.isfinite(phi)
+        sigma = np.maximum(np.sqrt(stream.var), cfg.sigma_floor)
+        z = np.where(known, (np.nan_to_num(phi) - stream.mu) / sigma, 0.0)
+        score = float(np.max(np.abs(z)))
+        names = self.feature_names
+        for i in np.flatnonzero(np.abs(z) > cfg.kappa):
+            reasons.append(f"{names[i]} z={z[i]:+.1f}")
+
+        # CUSUM on clipped z: small persistent shifts add up, one outlier cannot trip it on its own.
+        zc = np.clip(z, -cfg.kappa, cfg.kappa)
+        if st.cusum_pos is None:
+            st.cusum_pos, st.cusum_neg = np.zeros_like(z), np.zeros_like(z)
+        st.cusum_pos = np.maximum(0.0, st.cusum_pos + zc - cfg.cusum_k)
+        st.cusum_neg = np.maximum(0.0, st.cusum_neg - zc - cfg.cusum_k)
+        alarm = [f"cusum:{names[i]}+" for i in np.flatnonzero(st.cusum_pos > cfg.cusum_h)]
+        alarm += [f"cusum:{names[i]}-" for i in np.flatnonzero(st.cusum_neg > cfg.cusum_h)]
+        if alarm:
+            reasons.extend(alarm)
+            st.cusum_pos[:] = 0.0
+            st.cusum_neg[:] = 0.0
+
+        # Peer-relative test: this sender's EMA vs the median EMA of the active senders of this stream.
+        filled = np.where(known, phi, stream.mu)
+        st.ema = (1 - cfg.peer_beta) * filled + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
+        st.ema_n += 1
+        reasons.extend(self._peer_check(stream, sender, st, sigma))
+
+        if reasons:
+            return self._strike(stream, sender, st, reasons, score, weight=cfg.cusum_strikes if alarm else 1)
+        if max(st.cusum_pos.max(), st.cusum_neg.max()) > cfg.trust_cusum:
+            # Accepted but from a sender accumulating evidence: it may not move the reference (a persistent
+            # small bias would otherwise drag the reference towards itself and hide).
+            return Verdict(False, st.banned or sender in self._banned, score, [])
+        # Accepted from a sender in good standing: only now may the message move the reference.
+        a = 1.0 - cfg.beta
+        d = np.where(known, phi - stream.mu, 0.0)
+        stream.mu = stream.mu + a * d
+        stream.var = (1 - a) * (stream.var + a * d * d)
+        for name in VECTORS:
+            dv = getattr(raw, name) - stream.vec_mu[name]
+            stream.vec_mu[name] = stream.vec_mu[name] + a * dv
+            stream.vec_var[name] = (1 - a) * (stream.vec_var[name] + a * dv * dv)
+        return Verdict(False, st.banned or sender in self._banned, score, [])
+
+    def _peer_check(self, stream: _Stream, sender: str, st: _Sender, sigma: np.ndarray) -> list[str]:
+        cfg = self.cfg
+        if st.ema_n < cfg.peer_min_messages:
+            return []
+        peers = [
+            self._unbiased(s) for p, s in stream.senders.items()
+            if s.ema is not None and not s.banned and p not in self._banned and s.ema_n >= cfg.peer_min_messages
+            and stream.n - s.last_seen <= cfg.peer_active_window
+        ]
+        if len(peers) < cfg.peer_min_senders:
+            return []
+        med = np.median(np.stack(peers), axis=0)
+        # sd of a bias-corrected EMA of n iid messages; x sqrt(2) because the median is another sender's EMA.
+        b, n = cfg.peer_beta, min(st.ema_n, 10_000)
+        ema_sd = sigma * math.sqrt(2 * (1 - b) * (1 - b ** (2 * n)) / ((1 + b) * (1 - b**n) ** 2))
+        dev = (self._unbiased(st) - med) / ema_sd
+        return [f"peer:{self.feature_names[i]} d={dev[i]:+.1f}" for i in np.flatnonzero(np.abs(dev) > cfg.peer_kappa)]
+
+    def _unbiased(self, st: _Sender) -> np.ndarray:
+        return st.ema / (1 - self.cfg.peer_beta ** min(st.ema_n, 10_000))
+
+    def _strike(self, stream: _Stream, sender: str, st: _Sender, reasons: list[str], score: float,
+                hard: bool = False, weight: int = 1) -> Verdict:
+        cfg = self.cfg
+        st.flags += 1
+        st.strikes.extend([st.n] * weight)
+        while st.strikes and st.strikes[0] <= st.n - cfg.strike_window:
+            st.strikes.popleft()
+        if hard or len(st.strikes) >= cfg.strikes_to_ban:
+            st.banned = True
+            self._banned.add(sender)
+        return Verdict(True, st.banned or sender in self._banned, score, reasons)
+
+    # ------------------------------------------------------------------ replay detection
+    def _simhash(self, tensor: Tensor) -> int:
+        r = _rows(tensor)
+        r = r - r.mean(0)
+        flat = r.reshape(-1)
+        n = flat.numel()
+        key = (n, self.cfg.replay_bits)
+        if key not in self._hash:
+            gen = torch.Generator().manual_seed(_seed(self.cfg.seed, "sentinel-replay", n))
+            idx = torch.randperm(n, generator=gen)[: self.cfg.replay_sample]
+            planes = torch.randn(idx.numel(), self.cfg.replay_bits, generator=gen, dtype=torch.float64)
+            if len(self._hash) > 64:
+                self._hash.clear()
+            self._hash[key] = (idx, planes)
+        idx, planes = self._hash[key]
+        bits = (flat[idx] @ planes) >= 0
+        return int(sum(1 << i for i, b in enumerate(bits.tolist()) if b))
+
+    def _replay_check(self, stream: _Stream, sender: str, tensor: Tensor, tokens: Optional[Tensor]) -> list[str]:
+        digest = self._simhash(tensor)
+        tok = None
+        if tokens is not None:
+            tok = hashlib.blake2b(tokens.detach().cpu().to(torch.int64).numpy().tobytes(), digest_size=16).digest()
+        reasons = []
+        for other, who, other_tok in stream.digests:
+            if (digest ^ other).bit_count() <= self.cfg.replay_max_distance and (tok is None or tok != other_tok):
+                reasons.append(f"replay (matches a message from {who[-8:]} on other tokens)")
+                break
+        stream.digests.append((digest, sender, tok))
+        while len(stream.digests) > self.cfg.replay_memory:
+            stream.digests.popleft()
+        return reasons
+
+
+# ---------------------------------------------------------------------- loss attribution
+
+
+@dataclass(frozen=True)
+class LossCheckConfig:
+    warmup: int = 32
+    beta: float = 0.98
+    kappa: float = 6.0  # one-sided: only losses well above the reference are suspicious
+    margin: int = 6  # ban when a peer's loss strikes exceed the median of its stage peers by this much
+    sigma_floor: float = 1e-3
+
+
+@dataclass
+class LossVerdict:
+    flagged: bool
+    z: float
+    blamed: list[str]
+    banned: list[str]
+
+
+class LossMonitor:
+    """Loss-based attribution, for attacks the fingerprints cannot see (e.g. sign flips of symmetric messages).
+
+    The tail (or the trainer, from the reply's ``loss`` and ``path``) z-scores each microbatch's log-loss against
+    a robust reference *before* applying its gradient. A flagged loss blames every peer on the path; peers are
+    compared with the other peers serving the same stage (path position), so a peer that merely shares paths with
+    an attacker is not banned: its strikes track its stage peers'. ``path_excess`` compares the mean log-loss of
+    paths through a peer with paths through the other peers of its stage.
+
+    Integration: on the tail, in ``_forward`` after computing ``loss`` (path = the ``path`` the trainer will see,
+    i.e. ``meta`` would have to carry the upstream path; today only the trainer sees the whole path), or in the
+    trainer after each reply: ``v = monitor.observe(reply["loss"], reply["path"])``; skip the microbatch's
+    gradients when ``v.flagged`` (the trainer can only drop future work), ban ``v.banned``.
+    """
+
+    def __init__(self, config: Optional[LossCheckConfig] = None):
+        self.cfg = config or LossCheckConfig()
+        self._warm: list[float] = []
+        self.mu = 0.0
+        self.var = 0.0
+        self.ready = False
+        self.strikes: dict[tuple[int, str], int] = {}
+        self.path_stats: dict[tuple[int, str], list[float]] = {}  # (stage, peer) -> [n, sum log-loss]
+        self.banned: set[str] = set()
+
+    def observe(self, loss: float, path: Sequence[str]) -> LossVerdict:
+        cfg = self.cfg
+        x = math.log(max(float(loss), 1e-12)) if math.isfinite(loss) else math.inf
+        for stage, peer in enumerate(path):
+            n_sum = self.path_stats.setdefault((stage, peer), [0, 0.0])
+            n_sum[0] += 1
+            n_sum[1] += x if math.isfinite(x) else 0.0
+        if not self.ready:
+            if math.isfinite(x):
+                self._warm.append(x)
+            if len(self._warm) >= cfg.warmup:
+                self.mu = float(np.median(self._warm))
+                self.var = (1.4826 * float(np.median(np.abs(np.array(self._warm) - self.mu)))) ** 2
+                self.ready = True
+            return LossVerdict(False, 0.0, [], [])
+        z = (x - self.mu) / max(math.sqrt(self.var), cfg.sigma_floor)
+        if z <= cfg.kappa:
+            a = 1 - cfg.beta
+            d = x - self.mu
+            self.mu += a * d
+            self.var = (1 - a) * (self.var + a * d * d)
+            return LossVerdict(False, float(z), [], [])
+        newly = []
+        for stage, peer in enumerate(path):
+            self.strikes[(stage, peer)] = self.strikes.get((stage, peer), 0) + 1
+        for stage, peer in enumerate(path):
+            others = [c for (s, p), c in self.path_stats.items() if s == stage and p != peer]
+            stage_strikes = [self.strikes.get((stage, p), 0) for (s, p) in self.path_stats if s == stage]
+            if not others or peer in self.banned:
+                continue
+            if self.strikes[(stage, peer)] - float(np.median(stage_strikes)) >= cfg.margin:
+                self.banned.add(peer)
+                newly.append(peer)
+        return LossVerdict(True, float(z), list(path), newly)
+
+    def path_excess(self, stage: int, peer: str) -> float:
+        """Mean log-loss of paths through ``peer`` minus that of paths through its stage peers, in sigmas."""
+        mine = self.path_stats.get((stage, peer))
+        rest = [v for (s, p), v in self.path_stats.items() if s == stage and p != peer]
+        if not mine or not rest or mine[0] == 0:
+            return 0.0
+        n_rest = sum(v[0] for v in rest)
+        if n_rest == 0:
+            return 0.0
+        diff = mine[1] / mine[0] - sum(v[1] for v in rest) / n_rest
+        return diff / max(math.sqrt(self.var), self.cfg.sigma_floor)

@@ -1,0 +1,167 @@
+"""Browser test of the live dashboard against a real local swarm (separate OS processes on 127.0.0.1).
+
+Headless Chromium renders the page (its JavaScript fetches /api/swarm); the DOM must show every stage column and
+every live peer with its step, exactly as the API reports them. A screenshot is kept in test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agora.config import load_manifest
+from agora.swarm.demo import Child, Swarm
+from agora.swarm.peer import make_dht, visible_maddrs
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and os.path.exists(p)), None)
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (`make install` as root installs it with apt)"
+)
+
+
+class _Elements(HTMLParser):
+    """Every start tag of a document as (tag, attributes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, dict[str, str]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.found.append((tag, {k: v or "" for k, v in attrs}))
+
+
+def _elements(html: str) -> list[tuple[str, dict[str, str]]]:
+    parser = _Elements()
+    parser.feed(html)
+    return parser.found
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_for_url(child: Child, timeout: float) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        match = re.search(r"dashboard at (http://127\.0\.0\.1:\d+/)", child.log.read_text(errors="replace"))
+        if match:
+            return match.group(1)
+        assert child.alive, f"dashboard exited early:\n{child.log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    raise TimeoutError(f"dashboard did not start within {timeout:.0f}s:\n{child.log.read_text()[-3000:]}")
+
+
+def _wait_for_swarm(url: str, n_stages: int, swarm: Swarm, timeout: float) -> dict:
+    """Until every stage has a serving peer and a trainer has delivered tokens (so the charts have data)."""
+    deadline = time.time() + timeout
+    data: dict = {}
+    while time.time() < deadline:
+        dead = [c for c in swarm.children if not c.alive]
+        assert not dead, f"{dead[0].name} exited early:\n{dead[0].log.read_text()[-3000:]}"
+        data = _get_json(url + "api/swarm")
+        stages = data.get("stages", [])
+        if (len(stages) == n_stages and all(any(p["state"] == "serving" for p in st["peers"]) for st in stages)
+                and data.get("tokens", 0) > 0 and len(data.get("history", [])) >= 4):
+            return data
+        time.sleep(0.5)
+    raise TimeoutError(f"swarm not ready within {timeout:.0f}s; last /api/swarm: {json.dumps(data)[:2000]}")
+
+
+def _chromium(url: str, *args: str, timeout: float = 60) -> str:
+    with tempfile.TemporaryDirectory() as profile:
+        cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=6000", *args, url]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:  # hung browser: kill its whole session (renderer/zygote helpers too) by PID
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}"
+        return out.decode(errors="replace")
+
+
+def _session_leftovers(pids: list[int]) -> list[psutil.Process]:
+    """Live processes in the sessions of the children we started (each child leads its own session)."""
+    left = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) in pids and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return left
+
+
+def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
+    man = load_manifest("tiny")
+    manifest_path = tmp_path / "manifest.yaml"
+    manifest_path.write_text(man.to_yaml())
+    swarm = Swarm(manifest_path, tmp_path / "swarm")
+    dash: Child | None = None
+    # The bootstrap DHT lives in this process (one interpreter fewer to start on a busy machine); nodes, trainer and
+    # dashboard are real processes, each in its own session, started together.
+    boot = make_dht()
+    try:
+        swarm.maddr = maddr = visible_maddrs(boot)[0]
+        dash = swarm._spawn("dashboard", ["--manifest", str(manifest_path), "--initial-peers", maddr,
+                                          "--port", "0", "--interval", "1"])
+        for s in range(man.n_stages):
+            swarm.start_node(s)
+        swarm.start_trainer(0, 1, in_flight=2, val_batches=0)
+        url = _wait_for_url(dash, timeout=45)
+        data = _wait_for_swarm(url, man.n_stages, swarm, timeout=50)
+
+        page = urllib.request.urlopen(url, timeout=5)
+        assert "connect-src 'self'" in page.headers["Content-Security-Policy"]  # no CDN, no third party
+        assert "<script src" not in page.read().decode()
+
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "dashboard.png"
+        shot.unlink(missing_ok=True)
+        dom = _chromium(url, "--dump-dom", f"--screenshot={shot}", "--window-size=1280,900", "--hide-scrollbars")
+        assert shot.exists() and shot.stat().st_size > 10_000
+        elements = _elements(dom)
+        stage_cols = {a["data-stage"]: a for tag, a in elements if tag == "section" and "data-stage" in a}
+        cards = {a["data-peer"]: a for tag, a in elements if "data-peer" in a}
+        assert sorted(stage_cols) == [str(s) for s in range(man.n_stages)], dom[-3000:]
+        assert 'data-ready="true"' in dom
+        for stage in data["stages"]:
+            for peer in stage["peers"]:
+                card = cards.get(peer["peer_id"])
+                assert card is not None, f"peer {peer['peer_id']} missing from the page"
+                assert card["data-stage"] == str(stage["stage"])
+                assert re.fullmatch(r"\d+", card["data-step"]), card
+                assert card["data-state"] in ("joining", "syncing", "serving", "leaving")
+        assert sum(a.get("data-bottleneck") == "true" for a in stage_cols.values()) <= 1
+        assert any("data-trainer" in a for _, a in elements)
+        assert any(tag == "path" for tag, _ in elements)  # the charts drew their lines
+    finally:
+        if dash is not None:
+            swarm.stop([dash], 15)
+        swarm.stop([c for c in swarm.children if c is not dash], 30)  # all at once: SIGTERM, wait, kill the rest
+        boot.shutdown()
+        pids = [c.proc.pid for c in swarm.children]
+        deadline = time.time() + 10
+        while _session_leftovers(pids) and time.time() < deadline:
+            time.sleep(0.2)
+    assert not _session_leftovers(pids), "processes left behind"
+    assert dash.proc.returncode == 0, dash.log.read_text()[-3000:]  # SIGTERM: clean exit
+    summary = json.loads(dash.summary.read_text())
+    assert summary["role"] == "dashboard" and summary["polls"] > 0
