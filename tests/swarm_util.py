@@ -31,3 +31,27 @@ async def local_swarm(manifest, layout, options: NodeOptions | None = None):
                 await node.stop()
         for dht in dhts:
             dht.shutdown()
+
+
+def leftover_children(before: set[int], timeout: float = 10.0) -> list:
+    """Descendants of this process not in ``before`` still alive after ``timeout`` (waiting for them to exit).
+
+    torch_shm_manager is ignored: torch starts it once per process for shared-memory tensors and it exits with
+    this process, not with any test.
+    """
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE and p.name() != "torch_shm_manager":
+                    left.append(p)
+            except psutil.Error:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)

@@ -189,6 +189,16 @@ def test_powersgd_run_round_async_and_abort():
         torch.testing.assert_close(r.errors[0], g[0] + e)
 
 
+def test_powersgd_abort_does_not_alias_the_callers_gradient():
+    psgd = PowerSGD([(12, 8)], 2, run_id="x", stage=0)
+    grad = torch.randn(12, 8)
+    keep = grad.clone()
+    psgd.compress_p([grad], step=0)
+    psgd.abort()
+    grad.zero_()  # the node restarts accumulation in place
+    torch.testing.assert_close(psgd.errors[0], keep)
+
+
 # ----------------------------------------------------------------------------------------------- sparse (SPARTA)
 
 SHAPES = [("w1", (17, 13)), ("b1", (13,)), ("w2", (13, 5))]

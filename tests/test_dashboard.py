@@ -23,12 +23,18 @@ import pytest
 from agora.config import load_manifest
 from agora.swarm.demo import Child, Swarm
 from agora.swarm.peer import make_dht, visible_maddrs
+from swarm_util import leftover_children
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and os.path.exists(p)), None)
+BROWSER_SESSIONS: list[int] = []  # chromium runs, each in its own session: checked for leftovers too
+# $AGORA_CHROMIUM picks another browser binary (or, pointing nowhere, forces the skip).
+_CANDIDATES = [os.environ["AGORA_CHROMIUM"]] if os.environ.get("AGORA_CHROMIUM") else [
+    shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium"]
+CHROMIUM = next((p for p in _CANDIDATES if p and os.path.exists(p)), None)
 pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="chromium is not installed (`make install` as root installs it with apt)"
+    CHROMIUM is None, reason="headless chromium not found (`make install` as root installs it with apt; "
+                             "or set AGORA_CHROMIUM=/path/to/chromium)"
 )
 
 
@@ -87,6 +93,7 @@ def _chromium(url: str, *args: str, timeout: float = 60) -> str:
                "--disable-background-networking", "--disable-component-update", "--disable-sync",
                "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=6000", *args, url]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        BROWSER_SESSIONS.append(proc.pid)
         try:
             out, err = proc.communicate(timeout=timeout)
         finally:
@@ -117,6 +124,7 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
     dash: Child | None = None
     # The bootstrap DHT lives in this process (one interpreter fewer to start on a busy machine); nodes, trainer and
     # dashboard are real processes, each in its own session, started together.
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     boot = make_dht()
     try:
         swarm.maddr = maddr = visible_maddrs(boot)[0]
@@ -157,11 +165,12 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
             swarm.stop([dash], 15)
         swarm.stop([c for c in swarm.children if c is not dash], 30)  # all at once: SIGTERM, wait, kill the rest
         boot.shutdown()
-        pids = [c.proc.pid for c in swarm.children]
+        pids = [c.proc.pid for c in swarm.children] + BROWSER_SESSIONS
         deadline = time.time() + 10
         while _session_leftovers(pids) and time.time() < deadline:
             time.sleep(0.2)
     assert not _session_leftovers(pids), "processes left behind"
+    assert not leftover_children(before), "processes of the in-process bootstrap DHT left behind"
     assert dash.proc.returncode == 0, dash.log.read_text()[-3000:]  # SIGTERM: clean exit
     summary = json.loads(dash.summary.read_text())
     assert summary["role"] == "dashboard" and summary["polls"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import psutil
 import torch
@@ -13,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agora.config import load_manifest
 from agora.metrics import serve_node_metrics
 from agora.swarm.trainer import Trainer
-from swarm_util import local_swarm
+from swarm_util import leftover_children, local_swarm
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -91,16 +92,32 @@ def test_node_metrics_grow_with_work():
     assert h2[("agora_averaging_round_seconds_count", (("outcome", "ok"),))] == steps[0]
 
     # Nothing left running: hivemind's DHT processes and p2p daemons of this test are gone.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        # torch_shm_manager is torch's per-process shared-memory helper: it ends with this test process.
-        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
-                and p.status() != psutil.STATUS_ZOMBIE and p.name() != "torch_shm_manager"]
-        if not left:
-            break
-        time.sleep(0.2)
+    left = leftover_children(before)
     assert not left, f"processes left behind: {[(p.pid, p.name()) for p in left]}"
 
 
 def tail_id(tail_scrape: dict) -> str:
     return next(dict(labels)["peer_id"] for (name, labels) in tail_scrape if name == "agora_peer_info")
+
+
+def test_round_observer_attaches_once_the_averager_exists():
+    """``agora node --metrics-port`` serves metrics before ``node.start()`` creates ``node.sync``."""
+    node = SimpleNamespace(compute_observers=[], sync=None)
+    server = serve_node_metrics(node, 0)
+    try:
+        assert len(node.compute_observers) == 1
+        node.sync = SimpleNamespace(round_observers=[])
+        deadline = time.monotonic() + 5
+        while not node.sync.round_observers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(node.sync.round_observers) == 1
+        node.sync.round_observers[0](True, 0.3, 2)
+        node.sync.round_observers[0](False, 7.0, 1)
+        node.compute_observers[0]("forward", 0.002, 512)
+        count = server.registry.get_sample_value
+        assert count("agora_averaging_round_seconds_count", {"outcome": "ok"}) == 1
+        assert count("agora_averaging_round_seconds_count", {"outcome": "failed"}) == 1
+        assert count("agora_compute_seconds_count", {"kind": "forward"}) == 1
+    finally:
+        server.close()
+    assert node.compute_observers == [] and node.sync.round_observers == []

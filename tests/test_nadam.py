@@ -131,6 +131,25 @@ def test_lookahead_extrapolates_by_delay():
     assert torch.equal(w.detach(), before)
 
 
+def test_lookahead_follows_the_requested_parameter_order():
+    """build_optimizer puts matrices and vectors in two groups: the stash's order is the module's, not the groups'."""
+    model = torch.nn.Linear(3, 2)
+    decay, no_decay = [model.weight], [model.bias]
+    opt = DelayedNAdam([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                       lr=0.1, delay=2)
+    model(torch.randn(4, 3)).pow(2).sum().backward()
+    opt.step()
+    ahead = opt.lookahead_weights(params=list(model.parameters()))
+    assert [t.shape for t in ahead] == [p.shape for p in model.parameters()]
+    bias_update = opt.predicted_update(model.bias, opt.param_groups[1])
+    torch.testing.assert_close(ahead[1], model.bias.detach() + 2 * bias_update)
+    stash = WeightStash(list(model.parameters()), max_versions=2)
+    stash.acquire(1, make=lambda: opt.lookahead_weights(params=stash.params))
+    assert all(torch.equal(a, b) for a, b in zip(stash.get(1), ahead))
+    with pytest.raises(ValueError):
+        opt.lookahead_weights(params=[torch.zeros(2)])
+
+
 def test_weight_stash_returns_exact_versions():
     lin = torch.nn.Linear(3, 2)
     params = list(lin.parameters())

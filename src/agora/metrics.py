@@ -168,6 +168,7 @@ class _Hooks:
         self._sync: Any = None
         self._closed = threading.Event()
         node.compute_observers.append(self.on_compute)
+        self.attach()  # already started (tests, late metrics): no need to wait for the watcher
         self._watcher = threading.Thread(target=self._watch, name="metrics-attach", daemon=True)
         self._watcher.start()
 
@@ -191,6 +192,8 @@ class _Hooks:
             return True
 
     def _watch(self) -> None:
+        if self._sync is not None:
+            return
         # Rounds need accumulated samples, which need a serving node, which needs start() to have set node.sync
         # well before: a 0.2 s poll never misses the first round.
         while not self._closed.wait(0.2):

@@ -144,8 +144,8 @@ class PowerSGD:
             if g.shape != self.shapes[i]:
                 raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, expected {tuple(self.shapes[i])}")
             mat = g.detach().reshape(n, m).to(dtype)
-            if self.errors[j] is not None:
-                mat = mat + self.errors[j]
+            # never keep a view of the caller's gradient: it may be zeroed or accumulated into later
+            mat = mat + self.errors[j] if self.errors[j] is not None else mat.clone()
             self._m.append(mat)
             q = self._last_q[j] if self.warm_start and self._last_q[j] is not None else fresh[j]
             ps.append(mat @ q.to(mat.dtype))

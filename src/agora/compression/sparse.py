@@ -35,6 +35,10 @@ stages that use it, each replica steps on its own gradients)::
     sparse.apply(snap, averaged_buffer, node.step)                     # k = node.step - snap.step
     # a failed round: just drop ``snap``; that class is averaged again N rounds later.
 
+``apply`` writes the parameters in place, which invalidates autograd graphs of microbatches in flight: call it
+right after an ``optimizer.step()`` (same compute-thread task, before ``node.step`` is announced), so the node's
+"recompute if the step changed" rule already covers those microbatches.
+
 Start rounds only after the first optimizer step (moments must exist). Gradient clipping, lr schedule and
 checkpointing are unaffected. The stage's parameters must be contiguous (they are for nn.Linear/Embedding).
 Memory: a class-id map of 1 byte per parameter element (N <= 255); building it allocates a transient int64
@@ -189,7 +193,10 @@ class SparseAverager:
 
     @torch.no_grad()
     def apply(self, snapshot: SparseSnapshot, averaged: torch.Tensor, step: int) -> int:
-        """Apply the delta rule with ``k = step - snapshot.step``; returns k. ``averaged`` is the all-reduced payload."""
+        """Apply the delta rule with ``k = step - snapshot.step`` and return k.
+
+        :param averaged: the all-reduced payload (same layout as ``snapshot.payload``)
+        """
         if averaged.shape != snapshot.payload.shape:
             raise ValueError(f"averaged payload has shape {tuple(averaged.shape)}, expected "
                              f"{tuple(snapshot.payload.shape)}")

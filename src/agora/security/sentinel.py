@@ -9,6 +9,8 @@ record of how that sender deviates from it.
 What is measured (``fingerprint``), on the message flattened to tokens x channels, all scale-free:
 
 * ``log_rms``; ``norm_cv`` (spread of per-token norms); ``log_peak`` (max-abs / rms); ``zero_frac``;
+* ``adj_cos``: mean cosine between consecutive positions' (centred) vectors. Attention makes neighbouring
+  forward activations alike; independent noise does not (the strongest forward-noise feature; ~0 for gradients);
 * the message's mean vector / rms, projected on a few fixed random directions (seeded by the run) and on the
   running reference mean direction (``mean_ref``): an *odd* statistic, the only kind a sign flip changes;
 * per-channel skewness projected on its reference direction (``skew_ref``, odd as well);
@@ -84,7 +86,7 @@ from torch import Tensor
 
 Direction = Literal["fwd", "bwd"]
 
-BASE_FEATURES = ("log_rms", "norm_cv", "log_peak", "zero_frac")
+BASE_FEATURES = ("log_rms", "norm_cv", "log_peak", "zero_frac", "adj_cos")
 TAIL_FEATURES = ("mean_ref", "skew_ref", "mean_dist", "profile_dist", "pair_align")
 VECTORS = ("mean", "skew", "profile")  # per-channel statistics with a reference mean / variance per channel
 
@@ -99,7 +101,8 @@ class SentinelConfig:
     kappa: float = 6.0  # per-message robust z threshold
     cusum_k: float = 1.0  # CUSUM slack, in sigmas
     cusum_h: float = 15.0  # CUSUM alarm level
-    cusum_strikes: int = 2  # an alarm is accumulated evidence, worth more than one outlying message
+    cusum_strikes: int = 3  # a confirmed alarm is accumulated evidence: by default it bans on its own
+    cusum_peer_min: float = 1.0  # ... confirmed = the sender's EMA is this many sds off the peer median, same side
     trust_cusum: float = 8.0  # a sender whose CUSUM exceeds this does not update the reference
     peer_beta: float = 0.95  # per-sender EMA decay for the peer-relative test
     peer_kappa: float = 6.0  # threshold, in sds of the difference of two honest senders' EMAs
@@ -182,16 +185,21 @@ def fingerprint(x: Tensor, paired: Optional[Tensor] = None) -> _Raw:
     rms = float(r.pow(2).mean().sqrt())
     norms = r.norm(dim=1)
     norm_mean = float(norms.mean())
+    mean = r.mean(0)
+    centred = r - mean
+    seqs = centred.reshape(-1, x.shape[-2], centred.shape[-1]) if x.dim() >= 3 else centred.unsqueeze(0)
+    adj = 0.0
+    if seqs.shape[1] > 1:
+        adj = float(torch.nn.functional.cosine_similarity(seqs[:, 1:], seqs[:, :-1], dim=-1, eps=1e-30).mean())
     base = np.array(
         [
             math.log(rms + eps),
             float(norms.std(unbiased=False)) / (norm_mean + eps) if r.shape[0] > 1 else 0.0,
             math.log(float(r.abs().max()) / (rms + eps) + eps) if rms > 0 else 0.0,
             float((r == 0).double().mean()),
+            adj,
         ]
     )
-    mean = r.mean(0)
-    centred = r - mean
     m2 = centred.pow(2).mean(0)
     skew = centred.pow(3).mean(0) / (m2.pow(1.5) + eps)
     profile = r.pow(2).mean(0).sqrt() / (rms + eps)
@@ -351,24 +359,32 @@ class SentinelMonitor:
         for i in np.flatnonzero(np.abs(z) > cfg.kappa):
             reasons.append(f"{names[i]} z={z[i]:+.1f}")
 
-        # CUSUM on clipped z: small persistent shifts add up, one outlier cannot trip it on its own.
+        # Peer-relative test: this sender's EMA vs the median EMA of the active senders of this stream.
+        filled = np.where(known, phi, stream.mu)
+        st.ema = (1 - cfg.peer_beta) * filled + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
+        st.ema_n += 1
+        dev = self._peer_deviation(stream, st, sigma)
+        if dev is not None:
+            reasons.extend(f"peer:{names[i]} d={dev[i]:+.1f}" for i in np.flatnonzero(np.abs(dev) > cfg.peer_kappa))
+
+        # CUSUM on clipped z: small persistent shifts add up, one outlier cannot trip it on its own. An alarm counts
+        # only if this sender also stands out from its peers in that direction: a shift all senders share is the
+        # model drifting away from a lagging reference, not an attack (without peers, the alarm counts).
         zc = np.clip(z, -cfg.kappa, cfg.kappa)
         if st.cusum_pos is None:
             st.cusum_pos, st.cusum_neg = np.zeros_like(z), np.zeros_like(z)
         st.cusum_pos = np.maximum(0.0, st.cusum_pos + zc - cfg.cusum_k)
         st.cusum_neg = np.maximum(0.0, st.cusum_neg - zc - cfg.cusum_k)
-        alarm = [f"cusum:{names[i]}+" for i in np.flatnonzero(st.cusum_pos > cfg.cusum_h)]
-        alarm += [f"cusum:{names[i]}-" for i in np.flatnonzero(st.cusum_neg > cfg.cusum_h)]
+        alarm = []
+        for sign, acc in ((1, st.cusum_pos), (-1, st.cusum_neg)):
+            for i in np.flatnonzero(acc > cfg.cusum_h):
+                if dev is None or sign * dev[i] >= cfg.cusum_peer_min:
+                    alarm.append(f"cusum:{names[i]}{'+' if sign > 0 else '-'}")
+                acc[i] = 0.0
         if alarm:
             reasons.extend(alarm)
             st.cusum_pos[:] = 0.0
             st.cusum_neg[:] = 0.0
-
-        # Peer-relative test: this sender's EMA vs the median EMA of the active senders of this stream.
-        filled = np.where(known, phi, stream.mu)
-        st.ema = (1 - cfg.peer_beta) * filled + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
-        st.ema_n += 1
-        reasons.extend(self._peer_check(stream, sender, st, sigma))
 
         if reasons:
             return self._strike(stream, sender, st, reasons, score, weight=cfg.cusum_strikes if alarm else 1)
@@ -387,23 +403,24 @@ class SentinelMonitor:
             stream.vec_var[name] = (1 - a) * (stream.vec_var[name] + a * dv * dv)
         return Verdict(False, st.banned or sender in self._banned, score, [])
 
-    def _peer_check(self, stream: _Stream, sender: str, st: _Sender, sigma: np.ndarray) -> list[str]:
+    def _peer_deviation(self, stream: _Stream, st: _Sender, sigma: np.ndarray) -> Optional[np.ndarray]:
+        """(this sender's EMA - median of the active senders' EMAs) in sds of an honest difference; None when
+        there are too few senders (or messages) to compare."""
         cfg = self.cfg
         if st.ema_n < cfg.peer_min_messages:
-            return []
+            return None
         peers = [
             self._unbiased(s) for p, s in stream.senders.items()
             if s.ema is not None and not s.banned and p not in self._banned and s.ema_n >= cfg.peer_min_messages
             and stream.n - s.last_seen <= cfg.peer_active_window
         ]
         if len(peers) < cfg.peer_min_senders:
-            return []
+            return None
         med = np.median(np.stack(peers), axis=0)
         # sd of a bias-corrected EMA of n iid messages; x sqrt(2) because the median is another sender's EMA.
         b, n = cfg.peer_beta, min(st.ema_n, 10_000)
         ema_sd = sigma * math.sqrt(2 * (1 - b) * (1 - b ** (2 * n)) / ((1 + b) * (1 - b**n) ** 2))
-        dev = (self._unbiased(st) - med) / ema_sd
-        return [f"peer:{self.feature_names[i]} d={dev[i]:+.1f}" for i in np.flatnonzero(np.abs(dev) > cfg.peer_kappa)]
+        return (self._unbiased(st) - med) / ema_sd
 
     def _unbiased(self, st: _Sender) -> np.ndarray:
         return st.ema / (1 - self.cfg.peer_beta ** min(st.ema_n, 10_000))

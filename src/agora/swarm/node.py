@@ -323,8 +323,9 @@ class StageNode:
     # ------------------------------------------------------------------ rebalancing
     async def _rebalance_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.opts.rebalance_every_s * random.uniform(0.75, 1.25))
-            if self.state != PeerState.SERVING or self._stopping:
+            period = self.opts.rebalance_every_s  # read each time: rebalancing can be switched off at run time
+            await asyncio.sleep(period * random.uniform(0.75, 1.25) if period > 0 else 1.0)
+            if period <= 0 or self.state != PeerState.SERVING or self._stopping:
                 continue
             if time.monotonic() - self._serving_since < self.opts.rebalance_dwell_s:
                 continue
