@@ -19,3 +19,14 @@ def test_fifty_tiny_steps_lower_the_loss_and_write_outputs(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
     html = (tmp_path / "report.html").read_text()
     assert html.count("data:image/png;base64") >= 2
+
+
+def test_nadam_manifest_builds_the_delay_aware_optimizer_and_trains():
+    from agora.model import PipelineModel
+    from agora.optim import build_optimizer
+    from agora.optim_nadam import DelayedNAdam
+
+    m = load_manifest("tiny").with_overrides(**{"optimizer.name": "nadam", "optimizer.betas": [0.99, 0.999]})
+    assert isinstance(build_optimizer(PipelineModel(m), m.optimizer), DelayedNAdam)
+    losses = train_local(m, steps=20)["train_loss"]
+    assert losses[-1] < losses[0] - 0.5

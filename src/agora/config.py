@@ -64,7 +64,12 @@ class Residual(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    name: Literal["adamw"] = "adamw"
+    """AdamW, or NAdam with decoupled weight decay (``nadam``: the asynchronous-pipeline recipe, use betas
+    (0.99, 0.999)); ``lookahead`` extrapolates the forward weights by the stage's pipeline delay (experimental)."""
+
+    name: Literal["adamw", "nadam"] = "adamw"
+    momentum_decay: float = Field(default=0.004, ge=0)
+    lookahead: bool = False
     lr: float = Field(default=3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.1, ge=0)

@@ -22,13 +22,21 @@ def lr_at(cfg: OptimizerConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_optimizer(module: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and 1-d tensors are not decayed)."""
+def build_optimizer(module: nn.Module, cfg: OptimizerConfig, delay: int = 0) -> torch.optim.Optimizer:
+    """AdamW or delay-aware NAdam, with weight decay on matrices only (norm gains and 1-d tensors are not decayed).
+
+    ``delay`` is the stage's pipeline staleness in optimizer steps; only NAdam with ``lookahead`` uses it.
+    """
     decay, no_decay = [], []
     for _, p in module.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.name == "nadam":
+        from agora.optim_nadam import DelayedNAdam
+
+        return DelayedNAdam(groups, lr=lr_at(cfg, 0), betas=tuple(cfg.betas), momentum_decay=cfg.momentum_decay,
+                            delay=delay if cfg.lookahead else 0)
     return torch.optim.AdamW(groups, lr=lr_at(cfg, 0), betas=tuple(cfg.betas), foreach=False)
 
 

@@ -78,6 +78,7 @@ class ReplicaSync:
         self.fingerprint_step = node.step  # the step ``fingerprint`` was computed at (records carry it only then)
         self.lock = asyncio.Lock()  # held for a whole tick: a stage move waits for it, so never stops a round midway
         self.aborted_rounds = 0
+        self.control = None  # hivemind's StepControl of the round in progress (its stage shows where it is)
         self.rounds_ok = 0
         self.rounds_failed = 0
         self.local_steps = 0
@@ -236,6 +237,14 @@ class ReplicaSync:
                 timeout=timeout, allow_retries=True, wait=False,
             )
         )
+        self.control = control
+        try:
+            return await self._await_round(control, step, timeout)
+        finally:
+            self.control = None
+
+    async def _await_round(self, control, step: int, timeout: float) -> Optional[dict]:
+        n = self.node
         # Hard bound: matchmaking (timeout) + one all-reduce (allreduce_timeout) + slack. hivemind enforces both;
         # this only guards against a wedged averager process.
         hard_deadline = time.monotonic() + 2 * timeout + 10.0
