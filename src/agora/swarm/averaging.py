@@ -79,6 +79,7 @@ class ReplicaSync:
         self.lock = asyncio.Lock()  # held for a whole tick: a stage move waits for it, so never stops a round midway
         self.aborted_rounds = 0
         self.control = None  # hivemind's StepControl of the round in progress (its stage shows where it is)
+        self.closed = False
         self.rounds_ok = 0
         self.rounds_failed = 0
         self.local_steps = 0
@@ -89,6 +90,9 @@ class ReplicaSync:
         self.round_observers: list = []  # called with (ok: bool, seconds: float, group_size: int)
 
     def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.averager.shutdown()
         except Exception as err:  # already gone: nothing left to release
@@ -147,7 +151,8 @@ class ReplicaSync:
         later, a moving node goes back to its old stage).
         """
         n = self.node
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         failures = 0
         while failures < attempts and time.monotonic() < deadline:
             serving = [r for r in await self.replicas() if r.state == PeerState.SERVING.value]
@@ -162,8 +167,8 @@ class ReplicaSync:
                 continue
             failures += 1
             await asyncio.sleep(0.5)
-        logger.warning(f"stage {n.stage_index}: could not get the state of a replica within {timeout:.0f}s "
-                       f"({failures} failed downloads); at step {n.step}")
+        logger.warning(f"stage {n.stage_index}: could not get the state of a replica ({failures} failed downloads "
+                       f"in {time.monotonic() - t0:.0f}s); at step {n.step}")
         return False
 
     # ------------------------------------------------------------------ the loop

@@ -138,6 +138,7 @@ class _Pending:
     step: int
     version: int = 0  # the node's parameter version at the forward: recompute before the backward if it changed
     generation: int = 0  # the node's stage generation: a microbatch of a stage the node left is refused
+    fwd_s: float = 0.0  # compute seconds of the forward (throughput counts forward + backward per microbatch)
 
 
 class StageNode:
@@ -323,10 +324,10 @@ class StageNode:
     # ------------------------------------------------------------------ rebalancing
     async def _rebalance_loop(self) -> None:
         while True:
-            period = self.opts.rebalance_every_s  # read each time: rebalancing can be switched off at run time
+            period = self.opts.rebalance_every_s
             await asyncio.sleep(period * random.uniform(0.75, 1.25) if period > 0 else 1.0)
-            if period <= 0 or self.state != PeerState.SERVING or self._stopping:
-                continue
+            if self.opts.rebalance_every_s <= 0 or self.state != PeerState.SERVING or self._stopping:
+                continue  # (read again after the sleep: rebalancing can be switched off at run time)
             if time.monotonic() - self._serving_since < self.opts.rebalance_dwell_s:
                 continue
             try:
@@ -505,9 +506,11 @@ class StageNode:
                 if train:
                     # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean.
                     (loss_t * tokens.shape[0]).backward()
-        self._account(t0, tokens.numel(), "forward")
+        fwd_s = self._account(t0, tokens.numel(), "forward")
+        if self.is_tail and train:
+            self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
         pending = _Pending(tensors[0] if not self.is_head else None, tokens, leaf, out, self.step, self.version,
-                           self.generation)
+                           self.generation, fwd_s)
         return pending, loss
 
     def _forward_from(self, coords: Optional[torch.Tensor], tokens: torch.Tensor):
@@ -529,7 +532,7 @@ class StageNode:
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
         sent.backward(grad_out.to(sent.dtype))
-        self._account(t0, pending.tokens.numel(), "backward")
+        self._measure(pending.tokens.numel(), pending.fwd_s + self._account(t0, pending.tokens.numel(), "backward"))
         self.samples += pending.tokens.shape[0]
         self.last_sample_time = time.monotonic()
         if pending.leaf is None:
@@ -542,13 +545,21 @@ class StageNode:
         self.last_sample_time = time.monotonic()
         return None if pending.leaf is None else pending.leaf.grad.to(self._wire_dtype)
 
-    def _account(self, t0: float, n_tokens: int, kind: str) -> None:
+    def _account(self, t0: float, n_tokens: int, kind: str) -> float:
         dt = time.perf_counter() - t0
         self.counters.busy_s += dt
         for observe in self.compute_observers:
             observe(kind, dt, n_tokens)
-        if dt > 0:
-            rate = n_tokens / dt
+        return dt
+
+    def _measure(self, n_tokens: int, seconds: float) -> None:
+        """Throughput = tokens per compute second of a whole training microbatch (forward + backward), as an EMA.
+
+        Per microbatch, not per call: averaging a fast forward's rate with a slow backward's would overstate every
+        stage but the tail (whose forward includes the backward), and routing and rebalancing compare stages.
+        """
+        if seconds > 0:
+            rate = n_tokens / seconds
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
 
     # ------------------------------------------------------------------ RPC handlers

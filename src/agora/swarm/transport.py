@@ -68,6 +68,8 @@ from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402
 from hivemind.utils.streaming import split_for_streaming  # noqa: E402
 
+from agora.netem import LinkThrottle  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 if _hivemind_compression_base.USE_LEGACY_BFLOAT16:
@@ -97,6 +99,10 @@ __all__ = [
 ]
 
 WIRE_VERSION = 1
+
+# One emulated link per process (= per peer), shared by every stream it sends: ``AGORA_LINK=80mbit,50ms``. Unset in
+# normal runs. It caps only our tensor RPCs, not hivemind's DHT or averaging traffic (those are small here).
+_LINK = LinkThrottle.from_env()
 DEFAULT_CHUNK_SIZE_BYTES = 2**20  # 1 MiB: well below p2pd's 4 MiB message limit, large enough to amortize framing
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 2**20  # total tensor bytes of one message; both sides enforce it
 MAX_METADATA_BYTES = 2**20  # the header must stay a small control message, tensors belong in the payload
@@ -532,7 +538,9 @@ async def add_handler(
             if stats is not None:
                 stats.errors += 1
             replies = encode_error(failure)
-        for reply in replies:
+        for i, reply in enumerate(replies):
+            if _LINK is not None:  # emulated uplink of this peer (agora demo --link-mbps)
+                await _LINK.send(reply.ByteSize(), latency=(i == 0))
             if stats is not None:
                 stats._count_sent(reply)
             yield reply
@@ -622,7 +630,9 @@ async def _call(
         raise RpcError(UNREACHABLE, f"cannot open a stream to {handle!r} of peer {peer_id}: {e!r}") from e
 
     async def _send_all() -> None:
-        for request in requests:
+        for i, request in enumerate(requests):
+            if _LINK is not None:  # emulated uplink of this peer (agora demo --link-mbps)
+                await _LINK.send(request.ByteSize(), latency=(i == 0))
             await P2P.send_protobuf(request, writer)
             if stats is not None:
                 stats._count_sent(request)
