@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 
+import psutil
 import torch
 
 from agora.config import load_manifest
@@ -291,7 +292,15 @@ def test_peer_moves_to_the_bottleneck_stage_and_back_if_it_cannot_sync(monkeypat
 
             # A move whose download fails: back to the old stage, old parameters, serving again.
             other = next(n for n in heads if n is not mover)
-            before = [p.detach().clone() for p in other.stage.parameters()]
+            before = []  # its parameters at the moment it switches stage (a round may still end before that)
+            switch = other._switch_stage
+
+            def spy(stage, kept):
+                if kept is None:
+                    before.extend(p.detach().clone() for p in other.stage.parameters())
+                return switch(stage, kept)
+
+            other._switch_stage = spy
 
             async def refuse(self, peer, timeout=60.0, keep_grads=False):
                 return False
@@ -358,3 +367,47 @@ def test_restart_from_checkpoints_continues_training(tmp_path):
     assert abs(after - before) < 1e-5  # the very same parameters
     assert fresh - before > 0.3  # and they had learned something: a restart from scratch would show
     assert sum(later) / len(later) < sum(losses[:2]) / 2 - 0.3  # training loss continues, not back to the start
+
+
+def _processes_mentioning(text):
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(text in part for part in (p.info["cmdline"] or [])):
+                found.append(p.info["pid"])
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behind(tmp_path):
+    """Real processes: every 8 s a serving stage peer is SIGKILLed (never the last of its stage) and a replacement
+    starts with ``--stage auto``. Training goes on, replicas end bit-identical, survivors leave gracefully and
+    quickly, and no process of the run is left."""
+    from agora.swarm.demo import run_demo
+
+    out = tmp_path / "chaos"
+    try:
+        summary = run_demo(preset="tiny", stages=2, replicas=2, steps=10**6, train_seconds=30, chaos=8.0, out=out,
+                           live=False, timeout=420, val_batches=2, measure_divergence=True)
+    finally:
+        time.sleep(1)
+        leftovers = _processes_mentioning(str(out))
+    assert leftovers == [], leftovers
+    assert summary["finished"]
+    kills = summary["chaos_kills"]
+    assert len(kills) >= 2 and all(k["stage"] in (0, 1) for k in kills)
+    mb = summary["microbatches"]
+    assert mb["completed"] >= 20 and mb["submitted"] == mb["completed"] + mb["abandoned"]
+    assert mb["abandoned"] <= mb["completed"] // 5, mb
+    # Completions keep coming: no gap longer than the slowest failure path (a kill, a retry, a timeout).
+    done = [c[1] for c in summary["completions"]]
+    assert max(b - a for a, b in zip(done, done[1:])) < 30.0
+    killed = {k["killed"] for k in kills}
+    for node in summary["nodes"]:
+        if node["name"] not in killed:
+            exit_ = summary["exits"][node["name"]]
+            assert exit_["graceful"] and exit_["seconds"] < 30.0, (node["name"], exit_)
+    div = summary["replica_divergence"]
+    assert div["settled"], div
+    assert div["max_abs_diff"] is not None and div["max_abs_diff"] < 1e-6, div

@@ -37,7 +37,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -138,7 +138,8 @@ def apply_attack(kind: str, strength: float, tensor: Tensor, rng: torch.Generato
     elif kind == "scale":
         out = x * strength
     elif kind == "zero":
-        out = torch.where(_token_mask(x, strength, rng), torch.zeros_like(x), x) if strength < 1 else torch.zeros_like(x)
+        zeros = torch.zeros_like(x)
+        out = torch.where(_token_mask(x, strength, rng), zeros, x) if strength < 1 else zeros
     elif kind == "bias":
         width = x.shape[-1] if x.dim() else 1
         if width not in state.bias_dirs:

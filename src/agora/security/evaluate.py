@@ -182,13 +182,13 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
                     state.remember(msg)  # replay / stale attacks draw on what it sent while behaving
             v = monitor.observe(who, 0, direction, msg, step=r, tokens=tokens,
                                 paired=coords if direction == "bwd" else None)
+            if delay is None and corrupted and monitor.banned("attacker"):
+                delay = corrupted  # possibly banned while re-scoring warm-up, on another sender's message
             if bad:
                 tp += v.flagged
                 fn += not v.flagged
                 if v.flagged and not first_reasons:
                     first_reasons = v.reasons[:3]
-                if v.banned and delay is None:
-                    delay = corrupted
             else:
                 fp += v.flagged
                 tn += not v.flagged
@@ -221,8 +221,15 @@ def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, 
         res = run_stream(pool, direction, None, 0.0, config, clean_rounds, clean_rounds, seed + 1)
         clean.append({"direction": direction, "messages": res.tn + res.fp, "flags": res.fp,
                       "false_positive_rate": res.fp / max(res.tn + res.fp, 1), "bans": res.honest_banned})
+    # Sender level, over every stream: an attacker banned is a true positive, an honest sender banned a false one.
+    tp = sum(r["attacker_banned"] for r in rows)
+    fp = sum(r["honest_banned"] for r in rows) + sum(c["bans"] for c in clean)
+    fn = len(rows) - tp
+    precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
+    senders = {"attackers_banned": tp, "attackers": len(rows), "honest_banned": fp, "precision": precision,
+               "recall": recall, "f1": 2 * precision * recall / max(precision + recall, 1e-12)}
     return {"pool_loss": pool.loss, "pool_seconds": t_pool, "seconds": time.perf_counter() - t0,
-            "attacks": rows, "clean": clean}
+            "attacks": rows, "clean": clean, "senders": senders}
 
 
 def format_report(report: dict) -> str:
@@ -238,6 +245,11 @@ def format_report(report: dict) -> str:
     for c in report["clean"]:
         lines.append(f"clean {c['direction']}: {c['flags']}/{c['messages']} flagged "
                      f"(FPR {c['false_positive_rate']:.3f}), {c['bans']} bans")
+    s = report["senders"]
+    lines.append(f"sender level: {s['attackers_banned']}/{s['attackers']} attackers banned, {s['honest_banned']} "
+                 f"honest bans: precision {s['precision']:.2f} recall {s['recall']:.2f} F1 {s['f1']:.2f}")
+    lines.append("(message-level recall counts flagged corrupted messages until the ban: CUSUM / peer-test "
+                 "detections flag only the alarm message, so it is low where the delay is long)")
     return "\n".join(lines)
 
 

@@ -11,8 +11,9 @@ from hivemind's own ``RecordValidatorBase`` so every DHT node enforces them on s
   key). Nobody can announce records for a peer id they do not hold the private key of, without any authority.
   This requires the node's libp2p identity and its record key to be one RSA key: ``ensure_identity(path)`` writes
   or reads hivemind's identity file, which is then passed to ``DHT(identity_path=path)``.
-* **Shape and size** (``AgoraRecordValidator``): run keys hold msgpack dicts of scalars / lists / shallow dicts,
-  under a few KB; stage records must name their own stage and a known state.
+* **Shape and size** (``AgoraRecordValidator``, ``RecordSizeValidator``): run keys hold msgpack dicts of scalars /
+  lists / shallow dicts under 8 KB; stage records must name their own stage, a known state and finite, non-negative
+  counters; no record on any key may exceed 32 KB stored.
 * **Allow-list** (``AllowListValidator``, optional): the run's authority signs certificates binding a peer's public
   key to the run (optionally expiring). A node injects its certificate into every record it signs; records on the
   run's keys without a valid certificate are rejected, and so are records on foreign keys (no free storage).
@@ -24,8 +25,11 @@ Integration (the lead wires it; ``agora.swarm`` is untouched by this module):
 1. ``agora.swarm.peer.make_dht``: ``key = ensure_identity(identity_path or default path)``;
    ``validators = make_record_validators(manifest.run_id, manifest.n_stages, key, authority=..., certificate=...)``;
    ``DHT(..., identity_path=path, record_validators=validators)``. Check ``peer_id_of(key) == str(dht.peer_id)``.
-2. ``agora.swarm.records.announce``: use ``owner_subkey(peer_id, key)`` as the subkey instead of ``peer_id``.
-   Readers that use the subkey as a name (``status.py``'s ban publisher, acks) take ``subkey_peer_id(sub)``.
+2. ``agora.swarm.records.announce``: use ``owner_subkey(peer_id, key)`` as the subkey instead of ``peer_id``, for
+   every writer (stage nodes, trainers, ``publish_manifest``, bans, acks). Readers that use the subkey as a name
+   (``status.py``'s ban publisher, acks) take ``subkey_peer_id(sub)``. Switch all roles at once: a peer running
+   these validators refuses the plain-subkey records of a peer that does not (a run must agree on its validators,
+   like on its manifest).
 3. The manifest's authority key and the node's certificate come from CLI options / files (``--authority-key``,
    ``--certificate``); ``Manifest`` is strict, so a ``security`` section would be a schema change (the manifest
    hash covers it then, which is what one wants). Verify ``verify_manifest(yaml_bytes, sig, authority)`` before
@@ -63,7 +67,7 @@ CERT_DOMAIN = b"agora-peer-cert-v1\x00"
 CERT_FIELD = "cert"
 RUN_KEY_SUFFIXES = ("_trainers", "_manifest", "_acks", "_bans")
 STAGE_STATES = ("joining", "syncing", "serving", "leaving")
-MAX_VALUE_BYTES = 4096
+MAX_VALUE_BYTES = 8192  # a stage record is ~0.5 KB; an acks record grows ~55 B per acknowledged peer
 MAX_SUBKEY_BYTES = 1024
 
 PublicKeyLike = Union[RSAPublicKey, RSAPrivateKey, bytes, str]
@@ -144,7 +148,8 @@ def peer_id_of(key: PublicKeyLike) -> str:
     pub = public_key(key)._public_key
     der = pub.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     proto = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    return base58.b58encode(multihash.encode(hashlib.sha256(proto).digest(), multihash.coerce_code("sha2-256"))).decode()
+    digest = multihash.encode(hashlib.sha256(proto).digest(), multihash.coerce_code("sha2-256"))
+    return base58.b58encode(digest).decode()
 
 
 def owner_subkey(peer_id: str, key: PublicKeyLike) -> bytes:
@@ -239,9 +244,9 @@ def _simple(value: Any, depth: int = 0) -> bool:
     if isinstance(value, float):
         return True  # NaN is a legitimate "unknown" (loss before the first step)
     if isinstance(value, (list, tuple)):
-        return depth < 3 and len(value) <= 256 and all(_simple(v, depth + 1) for v in value)
+        return depth < 3 and len(value) <= 1024 and all(_simple(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        return depth < 3 and len(value) <= 256 and all(
+        return depth < 3 and len(value) <= 1024 and all(
             isinstance(k, str) and len(k) <= 128 and _simple(v, depth + 1) for k, v in value.items()
         )
     return False

@@ -52,7 +52,9 @@ class TokenBucket:
         self.refill(now)
         if cost > self.burst:
             return float("inf")
-        return max(0.0, (cost - self.tokens) / self.rate) if self.rate > 0 else (0.0 if cost <= self.tokens else float("inf"))
+        if cost <= self.tokens:
+            return 0.0
+        return (cost - self.tokens) / self.rate if self.rate > 0 else float("inf")
 
 
 class RateLimiter:
