@@ -131,6 +131,17 @@ def bench_efficiency(
     run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight, log=console.print)
 
 
+@bench_app.command("sentinel")
+def bench_sentinel(
+    out: Path = typer.Option(Path("bench-out/sentinel")),
+    train_steps: int = typer.Option(50, help="train the tiny model this long before recording its messages"),
+) -> None:
+    """SENTINEL detection per attack kind and strength: sender F1, detection delay, clean false positives."""
+    from agora.bench.sentinel import run
+
+    run(out, train_steps=train_steps, log=console.print)
+
+
 # ---------------------------------------------------------------------------------------------- swarm roles
 PeersOpt = typer.Option([], "--initial-peers", help="multiaddr(s) of any running peer, e.g. from `agora bootstrap`")
 HostOpt = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for a public node)")
