@@ -160,10 +160,12 @@ class ReplicaSync:
                 return True
             best = max(r.step for r in serving)
             freshest = [r for r in serving if r.step == best]
-            same_state = any(r.fingerprint == self.fingerprint for r in freshest) or not any(r.fingerprint for r in freshest)
+            known = [r.fingerprint for r in freshest if r.fingerprint]
+            same_state = not known or self.fingerprint in known
             if best < n.step or (best == n.step and same_state):
                 return True
-            if await self.download_from(random.choice(freshest), timeout=max(1.0, min(60.0, deadline - time.monotonic()))):
+            left = max(1.0, min(60.0, deadline - time.monotonic()))
+            if await self.download_from(random.choice(freshest), timeout=left):
                 continue
             failures += 1
             await asyncio.sleep(0.5)

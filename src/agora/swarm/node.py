@@ -79,7 +79,9 @@ RETRYABLE = {
 }
 # Of those, the ones that say the peer itself is broken or unreachable: it is banned for a while. A peer that is
 # leaving or not yet serving is healthy; routing just skips it for this microbatch.
-BANNABLE = {transport.TIMEOUT, transport.UNREACHABLE, transport.NO_HANDLER, transport.CONNECTION_LOST, transport.INTERNAL}
+BANNABLE = {
+    transport.TIMEOUT, transport.UNREACHABLE, transport.NO_HANDLER, transport.CONNECTION_LOST, transport.INTERNAL,
+}
 
 
 MOVE_LOCK_TTL_S = 90.0  # a mover that dies mid-move blocks other moves at most this long
@@ -216,6 +218,7 @@ class StageNode:
         synced = await self.sync.initial_sync(timeout=self.opts.sync_timeout_s)
         if not synced and require_state:
             return False
+        await self._refresh_next()  # know the next stage before the first request needs it
         self.state = PeerState.SERVING
         self._serving_since = time.monotonic()
         await self.announce()
@@ -241,7 +244,8 @@ class StageNode:
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if self.inflight:
-            logger.warning(f"leaving with {self.inflight} microbatches still in flight after {self.opts.drain_timeout_s:.0f}s")
+            logger.warning(f"leaving with {self.inflight} microbatches still in flight after "
+                           f"{self.opts.drain_timeout_s:.0f}s")
 
     async def stop(self) -> None:
         """Graceful leave: stop taking work, finish in-flight microbatches up to a deadline, announce, checkpoint."""
@@ -311,15 +315,19 @@ class StageNode:
     async def _refresh_next_loop(self) -> None:
         """Keep the next stage's records fresh off the hot path (one DHT read a second at most)."""
         while True:
-            if not self.is_tail:
-                nxt = self.stage_index + 1
-                try:
-                    records = await self.run_io(read_stage, self.dht, self.manifest.run_id, nxt, self.manifest.hash)
-                    if nxt == self.stage_index + 1:  # not moved meanwhile
-                        self.next_records = records
-                except Exception as err:
-                    logger.warning(f"reading stage {nxt} records failed: {err!r}")
+            await self._refresh_next()
             await asyncio.sleep(1.0)
+
+    async def _refresh_next(self) -> None:
+        if self.is_tail:
+            return
+        nxt = self.stage_index + 1
+        try:
+            records = await self.run_io(read_stage, self.dht, self.manifest.run_id, nxt, self.manifest.hash)
+            if nxt == self.stage_index + 1:  # not moved meanwhile
+                self.next_records = records
+        except Exception as err:
+            logger.warning(f"reading stage {nxt} records failed: {err!r}")
 
     # ------------------------------------------------------------------ rebalancing
     async def _rebalance_loop(self) -> None:
@@ -492,7 +500,9 @@ class StageNode:
         if generation != self.generation:
             raise RpcError("leaving", f"this peer moved to stage {self.stage_index}")
 
-    def _forward(self, tensors: list[torch.Tensor], train: bool, generation: Optional[int] = None) -> tuple[_Pending, Optional[float]]:
+    def _forward(
+        self, tensors: list[torch.Tensor], train: bool, generation: Optional[int] = None
+    ) -> tuple[_Pending, Optional[float]]:
         self._check_generation(self.generation if generation is None else generation)
         t0 = time.perf_counter()
         tokens, last = tensors[-2].long(), tensors[-1].long()

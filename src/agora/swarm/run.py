@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -82,6 +83,19 @@ def run_bootstrap(manifest: Optional[Manifest], initial_peers: Sequence[str], ho
     return 0
 
 
+def exit_through_finally_on_sigterm() -> None:
+    """Until the asyncio loop takes SIGTERM over (for a graceful leave), make SIGTERM raise ``SystemExit``.
+
+    A peer stopped while still starting (building its stage, choosing one) then runs its ``finally`` blocks and
+    shuts its DHT process and libp2p daemon down, instead of dying at once and leaving them orphaned.
+    """
+
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
 def choose_stage(dht, manifest: Manifest) -> int:
     """The weakest stage, ignoring records that stopped being refreshed (peers that just died)."""
     from agora.swarm.records import ANNOUNCE_PERIOD_S
@@ -99,6 +113,7 @@ def run_node(manifest: Manifest, stage: str, initial_peers: Sequence[str], host:
 
     dht = make_dht(initial_peers, host, port, announce_host, identity)
     node = None
+    exit_through_finally_on_sigterm()
     try:
         check_run_manifest(dht, manifest)
         if stage == "auto":
@@ -184,6 +199,7 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], host: str, por
     shard = train.shard(manifest.seed, shard_index, shard_count)
     dht = make_dht(initial_peers, host, port, None, identity, client_mode=True)
     t0 = time.time()
+    exit_through_finally_on_sigterm()
     try:
         check_run_manifest(dht, manifest)
         trainer = Trainer(manifest, dht, shard, options)

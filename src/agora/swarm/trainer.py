@@ -143,7 +143,9 @@ class Trainer:
     # Codes with which a head reports a failure downstream of it: retry elsewhere, but do not ban the head.
     DOWNSTREAM_CODES = ("retries_exhausted", "no_peers")
 
-    async def send(self, batch: torch.Tensor, train: bool = True, stop: Optional[asyncio.Event] = None) -> Optional[float]:
+    async def send(
+        self, batch: torch.Tensor, train: bool = True, stop: Optional[asyncio.Event] = None
+    ) -> Optional[float]:
         """One microbatch through the pipeline; returns its loss, or None if abandoned after bounded retries."""
         tokens = batch[:, :-1].to(torch.int32).contiguous()
         last = batch[:, -1].to(torch.int32).contiguous()
@@ -172,14 +174,20 @@ class Trainer:
                 tried.append(peer.peer_id)
                 if err.code in BANNABLE:
                     self.bans.ban(peer.peer_id)
+                if attempt == self.opts.max_retries:
+                    logger.warning(f"microbatch via {peer.peer_id[-8:]} failed ({err.code}); giving up after "
+                                   f"{attempt + 1} attempts")
+                    break
                 if train:
-                    self.stats.counts.retried += 1
+                    self.stats.counts.retried += 1  # counts retries made, not the final failure (that is abandoned)
                 logger.warning(f"microbatch via {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
             finally:
                 self.inflight[peer.peer_id] -= 1
         return None
 
-    async def _next_head(self, job_tokens: int, tried: list[str], stop: Optional[asyncio.Event]) -> Optional[StageRecord]:
+    async def _next_head(
+        self, job_tokens: int, tried: list[str], stop: Optional[asyncio.Event]
+    ) -> Optional[StageRecord]:
         """A head peer for the next attempt; waits (bounded by the call timeout) while the head stage is empty."""
         deadline = time.monotonic() + self.opts.call_timeout_s
         while True:

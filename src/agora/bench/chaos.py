@@ -1,0 +1,175 @@
+"""``agora bench chaos``: what churn costs. The same local swarm trains twice, without and with kills.
+
+1. Clean: ``stages x replicas`` stage processes and one trainer train for ``minutes``; its token count is the budget.
+2. Chaos: the same swarm trains to the same token budget while every ``kill_every`` seconds a random serving stage
+   peer is SIGKILLed (never the last of its stage) and a replacement starts with ``--stage auto``.
+
+Reported (from the demo's timeline, per-microbatch completion times, node summaries and a state download from every
+replica at the end):
+
+* optimizer steps per minute of training (slowest stage), and the ratio chaos / clean;
+* time from each kill to the next microbatch through the swarm: the first microbatch *submitted after* the kill
+  that completes (every microbatch crosses every stage, the killed one included), p50 and max (goal < 10 s); also
+  per stage from the peers' work counters (coarser: records refresh every few seconds);
+* the longest stall, the longest time without a completed microbatch (goal: none > 30 s);
+* microbatches retried and abandoned;
+* final validation loss, ratio chaos / clean (goal within 2%);
+* the largest parameter difference between replicas of a stage at the end (goal: < 1e-6, i.e. identical).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Callable, Optional
+
+from agora.bench.common import markdown_table, write_result
+from agora.swarm.demo import run_demo
+
+
+def _p50_max(values: list[float]) -> dict:
+    return {"p50": statistics.median(values) if values else None, "max": max(values) if values else None,
+            "n": len(values)}
+
+
+def kill_to_next_microbatch(kills: list[dict], completions: list[list[float]]) -> list[Optional[float]]:
+    """Per kill: seconds until the first microbatch submitted after it completed (None if none did)."""
+    out: list[Optional[float]] = []
+    for k in kills:
+        later = [done for submitted, done in completions if submitted >= k["t"]]
+        out.append(min(later) - k["t"] if later else None)
+    return out
+
+
+def kill_to_stage_work(kills: list[dict], timeline: list[dict]) -> list[Optional[float]]:
+    """Per kill: seconds until a surviving peer of the killed stage shows more forward work than before."""
+    out: list[Optional[float]] = []
+    for k in kills:
+        stage, victim = k["stage"], k.get("peer_id", "")[-8:]
+        seen: dict[str, int] = {}
+        found = None
+        for point in timeline:
+            work = point["work"][stage] if stage < len(point.get("work", [])) else {}
+            if point["t"] >= k["t"] and any(n > seen.get(p, n) for p, n in work.items() if p != victim):
+                found = point["t"] - k["t"]
+                break
+            seen.update(work)
+        out.append(found)
+    return out
+
+
+def longest_stall(completions: list[list[float]], start: float, end: float) -> float:
+    """Longest time without a completed microbatch between the first completion and the end of training."""
+    done = sorted(c[1] for c in completions if start <= c[1] <= end)
+    if not done:
+        return end - start
+    gaps = [b - a for a, b in zip(done, done[1:])] + [end - done[-1]]
+    return max(gaps)
+
+
+def analyse(summary: dict) -> dict:
+    timeline = summary["timeline"]
+    start = summary.get("train_started_s") or (timeline[0]["t"] if timeline else 0.0)
+    end = timeline[-1]["t"] if timeline else start
+    minutes = max(1e-9, (end - start) / 60)
+    steps = min(timeline[-1]["steps"]) if timeline else 0
+    kills = summary["chaos_kills"]
+    recovery = kill_to_next_microbatch(kills, summary["completions"])
+    stage_recovery = kill_to_stage_work(kills, timeline)
+    divergence = summary.get("replica_divergence") or {}
+    return {
+        "train_minutes": (end - start) / 60,
+        "tokens": summary["tokens"],
+        "optimizer_steps": steps,
+        "steps_per_stage": timeline[-1]["steps"] if timeline else [],
+        "steps_per_minute": steps / minutes,
+        "tokens_per_s": summary["tokens"] / max(1e-9, end - start),
+        "kills": len(kills),
+        "kill_to_next_microbatch_s": _p50_max([r for r in recovery if r is not None]),
+        "kills_without_recovery": sum(r is None for r in recovery),
+        "kill_to_stage_work_s": _p50_max([r for r in stage_recovery if r is not None]),
+        "longest_stall_s": longest_stall(summary["completions"], start, end),
+        "microbatches": summary["microbatches"],
+        "val_loss": summary["val_loss"],
+        "final_loss": summary["final_loss"],
+        "replica_max_abs_diff": divergence.get("max_abs_diff"),
+        "replicas_settled": divergence.get("settled"),
+        "rounds_failed": summary.get("rounds_failed", 0),
+        "resyncs": summary.get("resyncs", 0),
+        "moves": summary.get("moves", 0),
+        "finished": summary["finished"],
+    }
+
+
+def run(out: Path, minutes: float = 5.0, preset: str = "small", stages: int = 3, replicas: int = 2,
+        kill_every: float = 20.0, val_batches: int = 8, log: Callable[[str], None] = print) -> dict:
+    out = Path(out)
+    common = dict(preset=preset, stages=stages, replicas=replicas, steps=10**9, live=False, val_batches=val_batches,
+                  measure_divergence=True)
+    log(f"[chaos] clean run: {preset}, {stages} stages x {replicas} replicas, {minutes:g} min of training")
+    clean = run_demo(out=out / "clean", train_seconds=minutes * 60, timeout=minutes * 60 + 900, **common)
+    budget = clean["tokens"]
+    log(f"[chaos] chaos run: kill every {kill_every:g}s until {budget} tokens")
+    chaos = run_demo(out=out / "chaos", tokens=budget, chaos=kill_every, timeout=4 * minutes * 60 + 900, **common)
+    a, b = analyse(clean), analyse(chaos)
+
+    def ratio(key: str) -> Optional[float]:
+        return b[key] / a[key] if a.get(key) and b.get(key) is not None else None
+
+    rec = b["kill_to_next_microbatch_s"]
+    headline = {
+        "steps_per_minute_ratio": ratio("steps_per_minute"),
+        "tokens_per_s_ratio": ratio("tokens_per_s"),
+        "val_loss_ratio": ratio("val_loss"),
+        "kill_to_next_microbatch_p50_s": rec["p50"],
+        "kill_to_next_microbatch_max_s": rec["max"],
+        "longest_stall_s": b["longest_stall_s"],
+        "abandoned": b["microbatches"].get("abandoned", 0),
+        "replica_max_abs_diff": b["replica_max_abs_diff"],
+        "kills": b["kills"],
+    }
+    goals = {
+        "kill_to_next_microbatch_under_10s": rec["max"] is not None and rec["max"] < 10.0,
+        "no_stall_over_30s": b["longest_stall_s"] <= 30.0,
+        "val_loss_within_2pct": headline["val_loss_ratio"] is not None and headline["val_loss_ratio"] <= 1.02,
+        "replicas_identical": b["replica_max_abs_diff"] is not None and b["replica_max_abs_diff"] < 1e-6,
+    }
+
+    def row(name: str, key: str, fmt=lambda v: v):
+        return [name, fmt(a.get(key)), fmt(b.get(key))]
+
+    def p(d: dict) -> str:
+        return "-" if d["p50"] is None else f"{d['p50']:.1f} / {d['max']:.1f} (n={d['n']})"
+
+    def mb(d: dict) -> str:
+        return f"{d.get('completed', 0)} done, {d.get('retried', 0)} retried, {d.get('abandoned', 0)} abandoned"
+
+    md = markdown_table(["", "clean", "chaos"], [
+        row("training minutes", "train_minutes"),
+        row("tokens", "tokens"),
+        row("optimizer steps (slowest stage)", "optimizer_steps"),
+        row("steps / minute", "steps_per_minute"),
+        row("tokens / s", "tokens_per_s"),
+        row("kills", "kills"),
+        row("kill -> next microbatch p50 / max (s)", "kill_to_next_microbatch_s", p),
+        row("kill -> stage work p50 / max (s)", "kill_to_stage_work_s", p),
+        row("longest stall (s)", "longest_stall_s"),
+        row("microbatches", "microbatches", mb),
+        row("validation loss", "val_loss"),
+        row("max |param diff| between replicas", "replica_max_abs_diff"),
+        row("failed averaging rounds", "rounds_failed"),
+    ])
+    md += (f"\n\nresyncs: clean {a['resyncs']}, chaos {b['resyncs']}; moves: clean {a['moves']}, chaos {b['moves']}."
+           f"\n\nchaos / clean: steps/min x{_fmt(headline['steps_per_minute_ratio'])}, tokens/s "
+           f"x{_fmt(headline['tokens_per_s_ratio'])}, validation loss x{_fmt(headline['val_loss_ratio'], 4)}.\n\n"
+           + "\n".join(f"- {k}: {'yes' if v else 'NO'}" for k, v in goals.items()) + "\n")
+    result = {"preset": preset, "stages": stages, "replicas": replicas, "minutes": minutes, "kill_every_s": kill_every,
+              "clean": a, "chaos": b, "headline": headline, "goals": goals,
+              "kills": chaos["chaos_kills"]}
+    write_result(out, "chaos", result, md)
+    log(md)
+    return result
+
+
+def _fmt(v: Optional[float], digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
