@@ -15,6 +15,7 @@ import torch
 from agora.config import load_manifest
 from agora.swarm import transport
 from agora.swarm.node import FWD_BWD, NodeOptions
+from agora.swarm.peer import make_dht
 from agora.swarm.trainer import Trainer
 from swarm_util import local_swarm
 
@@ -77,21 +78,35 @@ def test_bad_inputs_get_clear_errors_and_server_keeps_serving():
             cases = {
                 "shape_mismatch": (good_meta, [torch.randn(b, t, k + 1), tokens, last]),
                 "dtype_mismatch": (good_meta, [torch.randn(b, t, k, dtype=torch.float64), tokens, last]),
-                "non_finite": (good_meta, [nan, tokens, last]),
                 "wrong_stage": (dict(good_meta, stage=5), good),
                 "wrong_run": (dict(good_meta, run_id="someone-else"), good),
                 "manifest_mismatch": (dict(good_meta, manifest_hash="0" * 16), good),
                 "bad_token": (good_meta, [good[0], tokens.clone().fill_(MAN.model.vocab_size), last]),
+                # Last: NaN/Inf also gets the sender banned by SENTINEL, so its later calls are refused.
+                "non_finite": (good_meta, [nan, tokens, last]),
             }
             codes = {}
             for expected, (meta, tensors) in cases.items():
                 with pytest.raises(transport.RpcError) as err:
                     await transport.call(p2p, tail.peer_id, MAN.run_id, FWD_BWD, meta, tensors, timeout=20)
                 codes[expected] = err.value.code
+                if expected == "non_finite":
+                    break
                 # ... and the server still serves a valid request right after.
                 reply, _ = await transport.call(p2p, tail.peer_id, MAN.run_id, FWD_BWD, good_meta, good, timeout=20)
                 assert reply["loss"] > 0
-            return codes, tail.counters.rejected
+            with pytest.raises(transport.RpcError) as err:
+                await transport.call(p2p, tail.peer_id, MAN.run_id, FWD_BWD, good_meta, good, timeout=20)
+            assert err.value.code == "banned"
+            # Other peers are still served.
+            other = make_dht(peers)
+            try:
+                p2p_other = await other.replicate_p2p()
+                reply, _ = await transport.call(p2p_other, tail.peer_id, MAN.run_id, FWD_BWD, good_meta, good, timeout=20)
+                assert reply["loss"] > 0
+            finally:
+                other.shutdown()
+            return codes, tail.counters.rejected - 1  # the refused call of the banned sender
 
     codes, rejected = asyncio.run(main())
     assert codes == {k: k for k in codes}, codes

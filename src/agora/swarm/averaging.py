@@ -33,7 +33,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 
 from agora.swarm import transport
-from agora.swarm.records import PeerState, StageRecord, read_stage
+from agora.swarm.records import PeerState, StageRecord, read_bans, read_stage
 from agora.swarm.transport import RpcError
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ class ReplicaSync:
         self.round_durations: list[float] = []
         self._announced_samples, self._announced_at = 0, 0.0
         self.averaging_step = -1
+        self._banned: set[str] = set()
+        self._banned_at = 0.0
         self.round_observers: list = []  # called with (ok: bool, seconds: float, group_size: int)
 
     def shutdown(self) -> None:
@@ -197,7 +199,9 @@ class ReplicaSync:
             logger.info(f"stage {n.stage_index}: replica at step {best} is ahead of our {n.step}; resyncing")
             await self.download_from(random.choice([r for r in ahead if r.step == best]))
             return
-        same = [r for r in others if r.step == n.step and r.state == PeerState.SERVING.value]
+        banned = await self.banned_replicas()
+        same = [r for r in others if r.step == n.step and r.state == PeerState.SERVING.value
+                and r.peer_id not in banned]
         averaging = any(r.averaging_step == n.step for r in same)
         if not averaging and self.fingerprint_valid:
             # Same step, different parameters (a broken round, a local fallback step): everyone adopts the state of
@@ -224,6 +228,19 @@ class ReplicaSync:
         stalled = time.monotonic() - n.last_sample_time > n.opts.stall_step_s
         if total >= self.target or stalled:
             await self.round(len(same), stalled=stalled and total < self.target)
+
+    async def banned_replicas(self) -> set[str]:
+        """Replicas banned by SENTINEL (ours or published by other peers), refreshed at most every 2 s."""
+        n = self.node
+        if time.monotonic() - self._banned_at > 2.0:
+            self._banned_at = time.monotonic()
+            try:
+                published = await n.run_io(read_bans, n.dht, n.manifest.run_id, n.manifest.hash)
+            except Exception as err:  # keep the previous view; bans only ever grow
+                logger.debug(f"reading bans failed: {err!r}")
+                published = set()
+            self._banned = self._banned | published | n.banned_peers()
+        return self._banned
 
     async def _partners_left(self, step: int) -> bool:
         """Whether any other replica that could still be in our round for ``step`` is alive in the DHT."""
@@ -292,6 +309,11 @@ class ReplicaSync:
                 result = await self._average(samples, grads)
             finally:
                 self.averaging_step = -1
+            if result is not None and {str(p) for p in result} & self._banned:
+                # A banned replica slipped into the group (hivemind matchmaking cannot exclude it): its gradient
+                # would poison ours, so drop the round and step on our own gradient.
+                logger.warning(f"stage {n.stage_index}: a banned replica joined the round; discarding it")
+                result = None
             if result is not None:
                 group = len(result)
                 steps = {g.get("step") for g in result.values() if isinstance(g, dict)}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import math
 import random
@@ -49,6 +50,7 @@ from agora.swarm.records import (
     PeerState,
     StageRecord,
     acks_key,
+    bans_key,
     announce,
     read_stage,
     read_subkeys,
@@ -56,6 +58,8 @@ from agora.swarm.records import (
     stage_key,
 )
 from agora.swarm.routing import BanList, Move, pick_peer_or_fallback, plan_rebalance
+from agora.security.ratelimit import RateLimiter
+from agora.security.sentinel import SentinelConfig, SentinelMonitor
 from agora.swarm.transport import RpcError, TransferStats
 from agora.wire import WIRE_DTYPES, Boundary, compress, decompress
 
@@ -76,6 +80,9 @@ RETRYABLE = {
     "leaving",
     "not_serving",
     "no_peers",
+    "banned",  # the peer was banned by SENTINEL somewhere: route around it
+    "sentinel",  # a message on this path was flagged as corrupted
+    "rate_limited",
 }
 # Of those, the ones that say the peer itself is broken or unreachable: it is banned for a while. A peer that is
 # leaving or not yet serving is healthy; routing just skips it for this microbatch.
@@ -94,6 +101,8 @@ def moves_key(run_id: str) -> str:
 
 @dataclass
 class NodeOptions:
+    sentinel: bool = True  # SENTINEL monitoring of received activations/gradients, with bans
+    rate_limit_per_s: float = 200.0  # fwd_bwd calls per second per caller (burst = 2x)
     hop_timeout_s: float = 30.0  # one stage's compute + its downstream chain, scaled by the stages left
     max_retries: int = 3
     wait_for_peers_s: float = 60.0  # how long a hop waits for an empty next stage before giving up
@@ -188,6 +197,10 @@ class StageNode:
         # Receiver-side acknowledgements: how many results each downstream peer delivered to us. Published in the
         # DHT under our own id, so a peer's acknowledged work is vouched for by others, never by itself.
         self.acks: dict[str, int] = {}
+        # SENTINEL: statistics of what each upstream sender (activations) and downstream peer (gradients) sends us;
+        # corrupted senders are banned: their messages dropped, routing avoids them, the ban is published.
+        self.sentinel = SentinelMonitor(SentinelConfig(seed=manifest.seed)) if self.opts.sentinel else None
+        self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)
 
@@ -303,6 +316,10 @@ class StageNode:
         if self.acks:
             acks = {"manifest_hash": self.manifest.hash, "acks": dict(self.acks)}
             await self.run_io(announce, self.dht, acks_key(self.manifest.run_id), self.peer_id, acks)
+        banned = self.banned_peers()
+        if banned:
+            value = {"manifest_hash": self.manifest.hash, "banned": sorted(banned)}
+            await self.run_io(announce, self.dht, bans_key(self.manifest.run_id), self.peer_id, value)
 
     async def _announce_loop(self) -> None:
         while True:
@@ -573,8 +590,39 @@ class StageNode:
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
 
     # ------------------------------------------------------------------ RPC handlers
+    def banned_peers(self) -> set[str]:
+        return self.sentinel.banned_peers() if self.sentinel is not None else set()
+
+    async def _screen(self, sender: str, boundary: int, direction: str, tensor: torch.Tensor,
+                      tokens: torch.Tensor, paired: Optional[torch.Tensor] = None) -> bool:
+        """Score one received message with SENTINEL (off the event loop); True if it must be dropped."""
+        if self.sentinel is None:
+            return False
+        verdict = await self.run_io(
+            functools.partial(self.sentinel.observe, sender, boundary, direction, tensor, step=self.step,
+                              tokens=tokens, paired=paired)
+        )
+        if verdict.banned:
+            self.log_event("ban", peer_banned=sender, boundary=boundary, direction=direction,
+                           reasons=verdict.reasons[:3])
+            logger.warning(f"SENTINEL banned {sender[-8:]} ({direction} at boundary {boundary}): {verdict.reasons[:3]}")
+        return verdict.flagged or verdict.banned
+
     async def _handle_fwd_bwd(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
-        self._validate(meta, tensors)
+        sender = str(caller)
+        if sender in self.banned_peers():
+            raise self._reject("banned", f"peer {sender} is banned here for sending corrupted messages")
+        if not self.limiter.allow(sender):
+            raise self._reject("rate_limited", f"more than {self.opts.rate_limit_per_s:.0f} calls/s from {sender}")
+        try:
+            self._validate(meta, tensors)
+        except RpcError as err:
+            if err.code == "non_finite" and self.sentinel is not None:  # NaN/Inf: let SENTINEL ban the sender
+                await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2])
+            raise
+        if not self.is_head and bool(meta.get("train", True)):
+            if await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2]):
+                raise self._reject("sentinel", "activations flagged as corrupted by SENTINEL")
         train = bool(meta.get("train", True))
         generation = self.generation
         self.inflight += 1
@@ -632,6 +680,15 @@ class StageNode:
                     self._p2p, peer.peer_id, self.manifest.run_id, FWD_BWD, down_meta, tensors, timeout,
                     stats=self.stats_out,
                 )
+                grads = reply[1]
+                if (self.sentinel is not None and meta.get("train", True) and len(grads) == 1
+                        and tuple(grads[0].shape) == tuple(boundary.coords.shape)
+                        and await self._screen(peer.peer_id, self.stage_index, "bwd", grads[0], boundary.tokens,
+                                               paired=boundary.coords)):
+                    tried.append(peer.peer_id)
+                    self.counters.retried += 1
+                    logger.warning(f"gradient from stage {nxt} peer {peer.peer_id[-8:]} flagged; trying another replica")
+                    continue
                 self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
                 return reply
             except RpcError as err:
@@ -651,7 +708,9 @@ class StageNode:
         deadline = time.monotonic() + self.opts.wait_for_peers_s
         warned = False
         while True:
-            peer = pick_peer_or_fallback(self.next_records, 1, tried=tried, bans=self.bans)
+            banned = self.banned_peers()
+            usable = [r for r in self.next_records if r.peer_id not in banned] if banned else self.next_records
+            peer = pick_peer_or_fallback(usable, 1, tried=tried, bans=self.bans)
             if peer is not None:
                 if peer.peer_id in tried:
                     await asyncio.sleep(0.5 * tried.count(peer.peer_id))

@@ -122,3 +122,13 @@ def read_stage(dht: DHT, run_id: str, stage: int, manifest_hash: str) -> list[St
 
 def read_swarm(dht: DHT, run_id: str, n_stages: int, manifest_hash: str) -> list[list[StageRecord]]:
     return [read_stage(dht, run_id, s, manifest_hash) for s in range(n_stages)]
+
+
+def read_bans(dht: DHT, run_id: str, manifest_hash: str) -> set[str]:
+    """Peers that some other peer of the run has banned for corrupted messages (a publisher's ban of itself is
+    ignored). Used to keep banned peers out of routing and averaging groups."""
+    banned: set[str] = set()
+    for publisher, value in read_subkeys(dht, bans_key(run_id)).items():
+        if isinstance(value, dict) and value.get("manifest_hash") == manifest_hash:
+            banned.update(str(p) for p in value.get("banned", []) if str(p) != publisher)
+    return banned

@@ -28,7 +28,7 @@ from agora.config import Manifest
 from agora.data import TokenDataset
 from agora.swarm import transport
 from agora.swarm.node import BANNABLE, FWD_BWD, RETRYABLE
-from agora.swarm.records import ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_swarm, trainers_key
+from agora.swarm.records import ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_bans, read_swarm, trainers_key
 from agora.swarm.routing import BanList, pick_peer_or_fallback
 from agora.swarm.transport import RpcError, TransferStats
 
@@ -80,7 +80,8 @@ class Trainer:
         self.bans = BanList(self.opts.ban_s)
         self.swarm: list[list[StageRecord]] = [[] for _ in range(manifest.n_stages)]
         self.inflight: dict[str, int] = {}
-        self.acks: dict[str, int] = {}  # head-stage results received, per head peer (receiver-side accounting)
+        self.acks: dict[str, int] = {}
+        self.banned: set[str] = set()  # head-stage results received, per head peer (receiver-side accounting)
         seed = manifest.seed if data_seed is None else data_seed
         self._batches = shard.batches(manifest.batch.microbatch_size, seed=seed) if shard is not None else None
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="trainer-dht")
@@ -100,7 +101,14 @@ class Trainer:
         self._io.shutdown(wait=False)
 
     async def refresh(self) -> None:
-        self.swarm = await self.run_io(read_swarm, self.dht, self.manifest.run_id, self.manifest.n_stages, self.manifest.hash)
+        m = self.manifest
+        swarm = await self.run_io(read_swarm, self.dht, m.run_id, m.n_stages, m.hash)
+        try:
+            # Heads that the next stage banned for corrupted activations are not sent our data any more.
+            self.banned |= await self.run_io(read_bans, self.dht, m.run_id, m.hash)
+        except Exception as err:
+            logger.debug(f"reading bans failed: {err!r}")
+        self.swarm = [[r for r in stage if r.peer_id not in self.banned] for stage in swarm]
 
     def empty_stages(self) -> list[int]:
         return [s for s, recs in enumerate(self.swarm) if not any(r.state == "serving" for r in recs)]
