@@ -171,7 +171,7 @@ def test_demo_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     for key in ("tokens", "wall_s", "cpu_s_by_process", "tokens_per_s", "loss_curve", "steps_per_stage",
-                "bytes_per_boundary", "microbatches", "val_loss"):
+                "bytes_per_boundary", "microbatches", "val_loss", "staleness_mean_per_stage"):
         assert key in summary, key
     assert all(summary["microbatches"][k] >= 0 for k in ("submitted", "completed", "retried", "abandoned"))
     assert summary["microbatches"]["completed"] > 0

@@ -124,11 +124,14 @@ def bench_efficiency(
     steps: int = typer.Option(20, help="optimizer steps of each run (equal token budget)"),
     stages: int = typer.Option(3), replicas: int = typer.Option(2),
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
+    link_mbps: Optional[float] = typer.Option(None, help="also run capped-link swarms (dense vs subspace) at this rate"),
+    capped_steps: Optional[int] = typer.Option(None, help="steps of each capped-link run (default: --steps)"),
 ) -> None:
     """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
     from agora.bench.efficiency import run
 
-    run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight, log=console.print)
+    run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
+        link_mbps=link_mbps, capped_steps=capped_steps, log=console.print)
 
 
 @bench_app.command("sentinel")
@@ -288,6 +291,9 @@ def demo(
     checkpoint_dir: Optional[Path] = typer.Option(None, help="nodes save stage checkpoints here"),
     checkpoint_every: int = typer.Option(0, help="nodes save every N optimizer steps (and always on leave)"),
     resume: Optional[Path] = typer.Option(None, help="nodes restore their stage from this checkpoint folder"),
+    residual: Optional[str] = typer.Option(None, help="override the preset's residual mode: dense or subspace"),
+    link_mbps: Optional[float] = typer.Option(None, help="emulate each peer's uplink at this many Mbit/s"),
+    link_latency_ms: float = typer.Option(0.0, help="emulated one-way latency per message"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.swarm.demo import run_demo
@@ -297,6 +303,7 @@ def demo(
         in_flight=in_flight, chaos=chaos, chaos_last=chaos_last, timeout=timeout, threads=threads,
         dashboard_port=dashboard_port if dashboard else None, live=not no_live,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms,
     )
     mb = summary["microbatches"]
     console.print(

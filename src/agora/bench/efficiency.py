@@ -6,7 +6,10 @@ Same manifest, data and token budget:
 Reported: tokens per pooled CPU-second (every process of the swarm counted, hivemind's DHT/averager processes and
 libp2p daemons included), their ratio, wall-clock tokens/s, and validation loss at equal tokens.
 
-Both runs share the machine's cores, so the pooled CPU-second ratio is the fair efficiency figure; wall-clock
+With ``link_mbps``, the swarm runs again with every peer's uplink capped (in-transport throttle), once with
+subspace and once with dense boundaries, to show what compression does to throughput on slow links.
+
+All runs share the machine's cores, so the pooled CPU-second ratio is the fair efficiency figure; wall-clock
 numbers are reported too but depend on how many processes compete for two cores.
 """
 
@@ -29,6 +32,7 @@ def run(
     replicas: int = 2,
     in_flight: int = 4,
     link_mbps: Optional[float] = None,
+    capped_steps: Optional[int] = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     out = Path(out)
@@ -57,6 +61,21 @@ def run(
               "swarm": {k: swarm[k] for k in ("tokens", "wall_s", "cpu_s_total", "tokens_per_s", "tokens_per_cpu_s",
                                               "val_loss", "microbatches", "cpu_s_by_process", "finished")},
               "ratio_tokens_per_cpu_s": ratio, "ratio_tokens_per_s": wall_ratio}
+    if link_mbps is not None:
+        capped = {}
+        for residual in ("subspace", "dense"):
+            log(f"[efficiency] swarm, {residual} boundaries, links capped at {link_mbps:g} Mbit/s")
+            run_ = run_demo(preset=preset, stages=stages, replicas=replicas, steps=capped_steps or steps,
+                            out=out / f"swarm-{residual}-{link_mbps:g}mbit", in_flight=in_flight, live=False,
+                            timeout=3600, residual=residual, link_mbps=link_mbps)
+            capped[residual] = {"tokens_per_s": run_["tokens_per_s"], "tokens": run_["tokens"],
+                                "wall_s": run_["wall_s"], "finished": run_["finished"],
+                                "vs_uncapped_swarm": run_["tokens_per_s"] / swarm["tokens_per_s"]}
+        result["capped"] = {"link_mbps": link_mbps, **capped}
+        md += "\n" + markdown_table(
+            ["boundaries", "link", "tokens/s", "vs uncapped swarm"],
+            [[k, f"{link_mbps:g} Mbit/s", v["tokens_per_s"], f"{v['vs_uncapped_swarm']:.3f}"] for k, v in capped.items()],
+        ) + "\n"
     write_result(out, "efficiency", result, md)
     log(md)
     return result

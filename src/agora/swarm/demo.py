@@ -43,10 +43,15 @@ def even_split(n_layers: int, n_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
-def demo_manifest(preset: str, stages: int) -> Manifest:
+def demo_manifest(preset: str, stages: int, residual: Optional[str] = None) -> Manifest:
+    """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries)."""
     m = load_manifest(preset)
     if stages != m.n_stages:
         m = m.with_overrides(stages=even_split(m.model.n_layers, stages))
+    if residual == "dense":
+        m = m.with_overrides(**{"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"})
+    elif residual not in (None, "subspace"):
+        raise ValueError(f"residual must be 'dense' or 'subspace', got {residual!r}")
     return m
 
 
@@ -93,8 +98,10 @@ class Child:
 class Swarm:
     """The processes of a local swarm and how to start and stop them."""
 
-    def __init__(self, manifest_path: Path, out: Path, threads: int = 1, extra_node_args: Optional[list[str]] = None):
+    def __init__(self, manifest_path: Path, out: Path, threads: int = 1, extra_node_args: Optional[list[str]] = None,
+                 env: Optional[dict[str, str]] = None):
         self.manifest_path = manifest_path
+        self.env = env or {}
         self.out = out
         self.threads = threads
         self.extra_node_args = extra_node_args or []
@@ -112,7 +119,7 @@ class Swarm:
         cmd = [sys.executable, "-m", "agora.cli", role, *args]
         if role != "bootstrap":
             cmd += ["--summary", str(summary)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads), **self.env)
         proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         child = Child(role, name, proc, log, summary, stage)
         self.children.append(child)
@@ -222,6 +229,9 @@ def run_demo(
     checkpoint_every: int = 0,
     resume: Optional[Path] = None,
     node_args: Optional[list[str]] = None,
+    residual: Optional[str] = None,
+    link_mbps: Optional[float] = None,
+    link_latency_ms: float = 0.0,
 ) -> dict:
     """Run a local swarm until every stage took ``steps`` steps, or the trainers reached ``tokens`` tokens, or
     ``train_seconds`` of training passed (whichever comes first); ``timeout`` (from the start) is a failure.
@@ -229,13 +239,15 @@ def run_demo(
     ``measure_divergence``: at the end, stop the trainers, let the replicas settle and download every serving
     peer's state to report the largest parameter difference between replicas of each stage.
     ``checkpoint_dir``/``checkpoint_every``/``resume`` are passed to every node (``agora node`` options).
+    ``link_mbps``/``link_latency_ms`` emulate each peer's internet link: every process throttles the tensor RPCs it
+    sends (``AGORA_LINK``, see ``agora.netem``). DHT and averaging traffic is not capped; it is small here.
     """
     from agora.swarm.peer import make_dht
     from agora.swarm.status import swarm_status
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = demo_manifest(preset, stages)
+    manifest = demo_manifest(preset, stages, residual)
     manifest_path = out / "manifest.yaml"
     manifest_path.write_text(manifest.to_yaml())
     extra = list(node_args or [])
@@ -243,7 +255,14 @@ def run_demo(
         extra += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(checkpoint_every)]
     if resume is not None:
         extra += ["--resume", str(resume)]
-    swarm = Swarm(manifest_path, out, threads=threads, extra_node_args=extra)
+    env = {}
+    if link_mbps is not None or link_latency_ms:
+        env["AGORA_LINK"] = ",".join(
+            ([f"{link_mbps:g}mbit"] if link_mbps is not None else []) + ([f"{link_latency_ms:g}ms"] if link_latency_ms else [])
+        )
+        console.print(f"link emulation: every peer's tensor RPCs throttled in the transport ({env['AGORA_LINK']}); "
+                      f"network namespaces are not used by the demo")
+    swarm = Swarm(manifest_path, out, threads=threads, extra_node_args=extra, env=env)
     rng = random.Random(seed)
     events: list[str] = []
     t0 = time.time()
@@ -462,6 +481,9 @@ def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replica
     bytes_per_boundary: dict[str, int] = {}
     steps_per_stage: dict[str, int] = {}
     busy: dict[str, float] = {}
+    stale_sum: dict[str, int] = {}
+    stale_n: dict[str, int] = {}
+    stale_max: dict[str, int] = {}
     for c, s in nodes:
         st = s["stage"]
         if st < manifest.n_stages - 1:
@@ -469,6 +491,9 @@ def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replica
             bytes_per_boundary[key] = bytes_per_boundary.get(key, 0) + s.get("bytes_sent_downstream", 0)
         steps_per_stage[str(st)] = max(steps_per_stage.get(str(st), 0), s.get("step", 0))
         busy[str(st)] = busy.get(str(st), 0.0) + s["counters"].get("busy_s", 0.0)
+        stale_sum[str(st)] = stale_sum.get(str(st), 0) + s["counters"].get("staleness_sum", 0)
+        stale_n[str(st)] = stale_n.get(str(st), 0) + s["counters"].get("backward", 0)
+        stale_max[str(st)] = max(stale_max.get(str(st), 0), s["counters"].get("staleness_max", 0))
     cpu = {c.name: s.get("cpu_s", 0.0) for c, s in nodes}
     cpu.update({f"trainer{i}": t.get("cpu_s", 0.0) for i, t in enumerate(trainers)})
     val = [t["val_loss"] for t in trainers if t.get("val_loss") is not None]
@@ -495,6 +520,8 @@ def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replica
         "bytes_per_boundary": bytes_per_boundary,
         "microbatches": counts,
         "stage_utilisation": {k: v / (wall * stage_procs[k]) for k, v in busy.items()},
+        "staleness_mean_per_stage": {k: stale_sum[k] / max(1, stale_n[k]) for k in stale_sum},
+        "staleness_max_per_stage": stale_max,
         "rounds_ok": sum(s.get("rounds_ok", 0) for _, s in nodes),
         "rounds_failed": sum(s.get("rounds_failed", 0) for _, s in nodes),
         "chaos_kills": kills,

@@ -135,6 +135,10 @@ class Counters:
     rejected: int = 0
     recomputed: int = 0
     busy_s: float = 0.0
+    # Staleness: optimizer steps this stage took between a microbatch's forward and its backward (its gradient is
+    # applied at the next step after that). Sum and count give the mean; the max bounds the pipeline's delay.
+    staleness_sum: int = 0
+    staleness_max: int = 0
     rejected_by_code: dict[str, int] = field(default_factory=dict)
 
 
@@ -150,6 +154,7 @@ class _Pending:
     version: int = 0  # the node's parameter version at the forward: recompute before the backward if it changed
     generation: int = 0  # the node's stage generation: a microbatch of a stage the node left is refused
     fwd_s: float = 0.0  # compute seconds of the forward (throughput counts forward + backward per microbatch)
+    weights: Optional[dict] = None  # the stashed parameter snapshot the forward ran on (see StageNode._stashed)
 
 
 class StageNode:
@@ -197,6 +202,11 @@ class StageNode:
         # Receiver-side acknowledgements: how many results each downstream peer delivered to us. Published in the
         # DHT under our own id, so a peer's acknowledged work is vouched for by others, never by itself.
         self.acks: dict[str, int] = {}
+        # Weight stashing: forwards of one parameter version share one snapshot of the weights, so a backward that
+        # arrives after an optimizer step still differentiates exactly the function its forward computed (no
+        # recompute, no autograd version error). Old snapshots die with the last microbatch that holds them.
+        self._stash_version = -1
+        self._stash_weights: Optional[dict] = None
         # SENTINEL: statistics of what each upstream sender (activations) and downstream peer (gradients) sends us;
         # corrupted senders are banned: their messages dropped, routing avoids them, the ban is published.
         self.sentinel = SentinelMonitor(SentinelConfig(seed=manifest.seed)) if self.opts.sentinel else None
@@ -523,8 +533,9 @@ class StageNode:
         self._check_generation(self.generation if generation is None else generation)
         t0 = time.perf_counter()
         tokens, last = tensors[-2].long(), tensors[-1].long()
+        stash = self._stashed() if train and not self.is_tail else None
         with torch.set_grad_enabled(train):
-            leaf, out = self._forward_from(None if self.is_head else tensors[0], tokens)
+            leaf, out = self._forward_from(None if self.is_head else tensors[0], tokens, stash)
             loss = None
             if self.is_tail:
                 targets = torch.cat([tokens[:, 1:], last[:, None]], dim=1)
@@ -537,28 +548,47 @@ class StageNode:
         if self.is_tail and train:
             self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
         pending = _Pending(tensors[0] if not self.is_head else None, tokens, leaf, out, self.step, self.version,
-                           self.generation, fwd_s)
+                           self.generation, fwd_s, stash)
         return pending, loss
 
-    def _forward_from(self, coords: Optional[torch.Tensor], tokens: torch.Tensor):
-        """(leaf, output): ``leaf`` is the received coordinates as a grad-tracking leaf (None on the head)."""
+    def _stashed(self) -> dict:
+        """The weight snapshot of the current parameter version (made once per version: one copy per step)."""
+        if self._stash_version != self.version or self._stash_weights is None:
+            self._stash_weights = {n: p.detach().clone().requires_grad_(True) for n, p in self.stage.named_parameters()}
+            self._stash_version = self.version
+        return self._stash_weights
+
+    def _forward_from(self, coords: Optional[torch.Tensor], tokens: torch.Tensor, weights: Optional[dict] = None):
+        """(leaf, output): ``leaf`` is the received coordinates as a grad-tracking leaf (None on the head).
+        With ``weights`` the stage runs on that snapshot instead of its live parameters."""
+        run = self.stage if weights is None else functools.partial(torch.func.functional_call, self.stage, weights)
         if self.is_head:
-            return None, self.stage(tokens)
+            return None, run(tokens) if weights is None else run((tokens,))
         leaf = coords.detach().float().requires_grad_(torch.is_grad_enabled())
-        boundary = Boundary(leaf, tokens, self.manifest.residual.mode)
-        return leaf, self.stage(decompress(boundary, self.stage.basis, self.stage.frozen_embed))
+        x = decompress(Boundary(leaf, tokens, self.manifest.residual.mode), self.stage.basis, self.stage.frozen_embed)
+        return leaf, run(x) if weights is None else run((x,))
 
     def _backward(self, pending: _Pending, grad_out: torch.Tensor) -> Optional[torch.Tensor]:
         self._check_generation(pending.generation)
         t0 = time.perf_counter()
-        if pending.version != self.version:
-            # Parameters moved since this microbatch's forward: recompute on the current ones.
+        if pending.weights is None and pending.version != self.version:
+            # Parameters moved since this microbatch's forward and it ran unstashed: recompute on the current ones.
             self.counters.recomputed += 1
             with torch.enable_grad():
                 pending.leaf, pending.out = self._forward_from(pending.inputs, pending.tokens)
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
         sent.backward(grad_out.to(sent.dtype))
+        if pending.weights is not None:
+            # The gradient landed on the snapshot: move it to the live parameters, where steps are taken.
+            for name, p in self.stage.named_parameters():
+                g = pending.weights[name].grad
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+                    pending.weights[name].grad = None
+        stale = self.step - pending.step
+        self.counters.staleness_sum += stale
+        self.counters.staleness_max = max(self.counters.staleness_max, stale)
         self._measure(pending.tokens.numel(), pending.fwd_s + self._account(t0, pending.tokens.numel(), "backward"))
         self.samples += pending.tokens.shape[0]
         self.last_sample_time = time.monotonic()
