@@ -15,7 +15,7 @@ MAN = load_manifest("tiny")
 
 
 def test_gradient_attacker_is_banned_and_routed_around():
-    opts = NodeOptions(stall_step_s=1e9)
+    opts = NodeOptions(stall_step_s=1e9, sentinel=True)
 
     async def main():
         async with local_swarm(MAN, [0, 1, 1], opts) as (boot, peers, nodes):

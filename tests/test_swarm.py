@@ -65,7 +65,7 @@ def test_replicas_hold_identical_parameters_after_steps():
 
 def test_bad_inputs_get_clear_errors_and_server_keeps_serving():
     async def main():
-        async with local_swarm(MAN, [0, 1]) as (boot, peers, nodes):
+        async with local_swarm(MAN, [0, 1], NodeOptions(stall_step_s=1e9, sentinel=True)) as (boot, peers, nodes):
             tail = nodes[1]
             p2p = await boot.replicate_p2p()
             good_meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 1, "train": False}

@@ -204,6 +204,7 @@ def node(
     summary: Optional[str] = typer.Option(None, help="write a JSON summary of this node here"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads for this node"),
     attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): KIND[:strength]"),
+    sentinel: bool = typer.Option(False, help="screen received messages with SENTINEL and ban corrupted senders"),
     log_level: str = LogOpt,
 ) -> None:
     """Serve one pipeline stage: forward/backward for trainers and the previous stage, averaging with replicas."""
@@ -215,7 +216,7 @@ def node(
     _enable_stack_dumps()
     m = _manifest(manifest)
     opts = NodeOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
-                       rebalance_every_s=rebalance_every)
+                       rebalance_every_s=rebalance_every, sentinel=sentinel)
     raise typer.Exit(_join_errors(lambda: run_node(
         m, stage, initial_peers, host, port, announce_host, identity, opts, summary=summary, resume=resume,
         metrics_port=metrics_port, attack=attack)))

@@ -101,7 +101,10 @@ def moves_key(run_id: str) -> str:
 
 @dataclass
 class NodeOptions:
-    sentinel: bool = True  # SENTINEL monitoring of received activations/gradients, with bans
+    # SENTINEL monitoring of received activations/gradients, with bans. Off by default: on a real training run its
+    # frozen warm-up reference drifts away from honest gradients within minutes and it bans honest peers (seen on
+    # `small`: all tail replicas banned for gradient skew after ~1 min). Enable with `agora node --sentinel`.
+    sentinel: bool = False
     rate_limit_per_s: float = 200.0  # fwd_bwd calls per second per caller (burst = 2x)
     hop_timeout_s: float = 30.0  # one stage's compute + its downstream chain, scaled by the stages left
     max_retries: int = 3
