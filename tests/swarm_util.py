@@ -55,3 +55,17 @@ def leftover_children(before: set[int], timeout: float = 10.0) -> list:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of processes whose command line contains ``text`` (e.g. a test's unique output folder)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(text in part for part in (p.info["cmdline"] or [])):
+                found.append(p.info["pid"])
+        except psutil.Error:
+            continue
+    return found

@@ -12,7 +12,8 @@ import contextlib
 import logging
 import time
 
-import psutil
+
+from swarm_util import processes_mentioning as _processes_mentioning
 import torch
 
 from agora.config import load_manifest
@@ -373,16 +374,6 @@ def test_restart_from_checkpoints_continues_training(tmp_path):
     assert fresh - before > 0.3  # and they had learned something: a restart from scratch would show
     assert sum(later) / len(later) < sum(losses[:2]) / 2 - 0.3  # training loss continues, not back to the start
 
-
-def _processes_mentioning(text):
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if any(text in part for part in (p.info["cmdline"] or [])):
-                found.append(p.info["pid"])
-        except psutil.Error:
-            continue
-    return found
 
 
 def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behind(tmp_path):

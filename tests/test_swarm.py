@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from agora.swarm import transport
 from agora.swarm.node import FWD_BWD, NodeOptions
 from agora.swarm.peer import make_dht
 from agora.swarm.trainer import Trainer
-from swarm_util import local_swarm
+from swarm_util import processes_mentioning as _processes_mentioning, local_swarm
 
 MAN = load_manifest("tiny")
 
@@ -149,16 +148,6 @@ def test_node_with_another_manifest_exits_naming_both_hashes(tmp_path):
     finally:
         _kill_tree(boot)
 
-
-def _processes_mentioning(text):
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if any(text in part for part in (p.info["cmdline"] or [])):
-                found.append(p.info["pid"])
-        except psutil.Error:
-            continue
-    return found
 
 
 def test_demo_end_to_end(tmp_path):

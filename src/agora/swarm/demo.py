@@ -460,17 +460,7 @@ def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replica
               kills: list[dict], timeline: list[dict], t0: Optional[float] = None) -> dict:
     trainers = [s for c in swarm.children if c.role == "train" and (s := read_json(c.summary))]
     nodes = [(c, s) for c in swarm.children if c.role == "node" and (s := read_json(c.summary))]
-    curve = sorted((p for t in trainers for p in t.get("loss_curve", [])), key=lambda p: p["wall_s"])
-    running = 0
-    merged = []
-    per_trainer: dict[int, int] = {}
-    for i, t in enumerate(trainers):
-        for p in t.get("loss_curve", []):
-            merged.append((p["wall_s"], i, p))
-    for wall_s, i, p in sorted(merged, key=lambda x: x[0]):
-        per_trainer[i] = p["tokens"]
-        running = sum(per_trainer.values())
-        curve.append({})
+    merged = [(p["wall_s"], i, p) for i, t in enumerate(trainers) for p in t.get("loss_curve", [])]
     curve = [{"tokens": sum_tokens, "loss": p["loss"], "wall_s": w}
              for w, p, sum_tokens in _cumulative(merged)]
     counts = {"submitted": 0, "completed": 0, "retried": 0, "abandoned": 0}

@@ -38,7 +38,6 @@ from typing import Any, Optional
 import torch
 from hivemind import DHT
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
 
 from agora.config import Manifest
 from agora.model import Stage
@@ -46,7 +45,6 @@ from agora.optim import build_optimizer, set_lr
 from agora.swarm import transport
 from agora.swarm.records import (
     ANNOUNCE_PERIOD_S,
-    DHT_TIMEOUT_S,
     PeerState,
     StageRecord,
     acks_key,
