@@ -23,13 +23,7 @@ from agora.compression import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: OpenMP threads only add contention on a shared machine (QR is 500x slower with 2 threads)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def mean_all_reduce(per_replica: List[List[torch.Tensor]]) -> List[torch.Tensor]:

@@ -10,13 +10,7 @@ import torch
 from agora.optim_nadam import DelayedNAdam, WeightStash, beta1_for_delay, nadam_mu_product
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Scalar-sized tensors: OpenMP threads only add contention on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hand_nadam(w: float, grads: list[float], lr: float, b1: float, b2: float, wd: float, eps: float,

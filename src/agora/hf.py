@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -97,7 +96,3 @@ def hf_config_kwargs(manifest: Manifest) -> dict:
         hidden_act="silu",
     )
 
-
-@torch.no_grad()
-def copy_from_hf_model(stages: list[Stage] | PipelineModel, hf_model: torch.nn.Module) -> None:
-    import_state_dict(stages, hf_model.state_dict())

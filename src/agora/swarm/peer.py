@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import signal
-import time
 from typing import Optional, Sequence
 
 os.environ.setdefault("USE_LEGACY_BFLOAT16", "0")  # before hivemind is imported: keep bf16 at 2 bytes on the wire
@@ -113,7 +112,3 @@ def setup_logging(level: str = "INFO") -> None:
     )
     logging.getLogger("agora").setLevel(getattr(logging, level.upper(), logging.INFO))
 
-
-def wall_and_cpu() -> tuple[float, float]:
-    t = os.times()
-    return time.time(), t.user + t.system
