@@ -13,13 +13,13 @@ from agora.swarm.peer import make_dht, visible_maddrs
 @contextlib.asynccontextmanager
 async def local_swarm(manifest, layout, options: NodeOptions | None = None):
     """Start a bootstrap DHT and one StageNode per entry of ``layout`` (a list of stage indices)."""
-    boot = make_dht()
+    boot = make_dht(manifest=manifest)  # tests read records through it: it needs the run's validators
     peers = visible_maddrs(boot)
     dhts: list[DHT] = [boot]
     nodes: list[StageNode] = []
     try:
         for stage in layout:
-            dht = make_dht(peers)
+            dht = make_dht(peers, manifest=manifest)  # the run's record rules, as `agora node` has them
             dhts.append(dht)
             node = StageNode(manifest, stage, dht, options or NodeOptions(stall_step_s=1e9))
             await node.start()

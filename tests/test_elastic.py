@@ -59,14 +59,14 @@ class Cluster:
     """An in-process swarm that grows one node at a time (own options per node) and can crash nodes."""
 
     def __init__(self):
-        self.boot = make_dht()
+        self.boot = make_dht(manifest=MAN)
         self.peers = visible_maddrs(self.boot)
         self.dhts = [self.boot]
         self.nodes: list[StageNode] = []
         self.crashed: list[StageNode] = []
 
     async def add(self, stage: int, opts: NodeOptions, resume=None) -> StageNode:
-        dht = make_dht(self.peers)
+        dht = make_dht(self.peers, manifest=MAN)
         self.dhts.append(dht)
         node = StageNode(MAN, stage, dht, opts)
         if resume is not None:

@@ -45,6 +45,75 @@ def manifest(
     )
 
 
+# ---------------------------------------------------------------------------------------------- keys and trust
+@app.command()
+def keygen(path: Path = typer.Argument(..., help="where to write the private key (also usable as --identity)")) -> None:
+    """Create an RSA key: a peer identity (--identity) or a run authority key. Writes PATH and PATH.pub."""
+    from agora.security.identity import generate_key, peer_id_of, public_key_bytes, save_private_key
+
+    if path.exists():
+        console.print(f"[red]error:[/red] {path} exists; refusing to overwrite a key")
+        raise typer.Exit(2)
+    key = generate_key()
+    save_private_key(key, path)
+    pub = public_key_bytes(key).decode()
+    Path(str(path) + ".pub").write_text(pub + "\n")
+    console.print(f"wrote {path} (private, mode 0400) and {path}.pub; peer id {peer_id_of(key)}")
+    print(pub)
+
+
+@app.command("sign-manifest")
+def sign_manifest_cmd(
+    manifest_file: Path = typer.Argument(..., help="the manifest YAML to sign (its security.authority must be KEY's)"),
+    key: Path = typer.Option(..., help="the authority's private key (from `agora keygen`)"),
+) -> None:
+    """Sign a manifest as the run's authority: writes MANIFEST.sig, which peers verify before using the file."""
+    import yaml
+
+    from agora.config import ManifestError, parse_manifest, signature_path
+    from agora.security.identity import load_private_key, public_key_bytes, sign_manifest
+
+    try:
+        authority = load_private_key(key)
+        m = parse_manifest(yaml.safe_load(manifest_file.read_text()), str(manifest_file))
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+    if (m.security.authority or "").encode() != public_key_bytes(authority):
+        console.print(f"[red]error:[/red] security.authority of {manifest_file} is not the public key of {key}; put "
+                      f"the content of {key}.pub there first")
+        raise typer.Exit(2)
+    sig = signature_path(manifest_file)
+    sig.write_bytes(sign_manifest(manifest_file.read_bytes(), authority) + b"\n")
+    console.print(f"wrote {sig}; manifest hash {m.hash}")
+
+
+@app.command()
+def certify(
+    peer_key: str = typer.Argument(..., help="the peer's public key: a .pub file or 'ssh-rsa AAAA...'"),
+    key: Path = typer.Option(..., help="the authority's private key"),
+    run_id: str = typer.Option(..., "--run", help="run id the certificate admits the peer to"),
+    out: Path = typer.Option(..., help="certificate file to write (the peer passes it as --certificate)"),
+    days: float = typer.Option(0.0, help="valid for this many days (0: no expiry)"),
+) -> None:
+    """Admit a peer's key to an allow-listed run: writes a certificate signed by the authority."""
+    import time
+
+    from agora.security.identity import issue_certificate, load_private_key, peer_id_of
+    from agora.swarm.credentials import save_certificate
+
+    text = Path(peer_key).read_text().strip() if Path(peer_key).exists() else peer_key.strip()
+    try:
+        authority = load_private_key(key)
+        peer = peer_id_of(text)
+    except (OSError, ValueError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+    cert = issue_certificate(authority, run_id, text, expires=time.time() + days * 86400 if days > 0 else 0.0)
+    save_certificate(cert, out)
+    console.print(f"wrote {out}: peer {peer} may take part in run {run_id!r}")
+
+
 @app.command("train-local")
 def train_local_cmd(
     manifest: str = typer.Option("tiny", help="preset or YAML file"),
@@ -151,6 +220,7 @@ HostOpt = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for a pu
 PortOpt = typer.Option(0, help="TCP port to listen on (0: any free port)")
 AnnounceOpt = typer.Option(None, help="public address to announce (needs a fixed --port)")
 IdentityOpt = typer.Option(None, help="file with a persistent peer identity (created if missing)")
+CertOpt = typer.Option(None, "--certificate", help="the run authority's certificate for --identity (allow-listed runs)")
 LogOpt = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR")
 
 
@@ -179,6 +249,7 @@ def bootstrap(
     initial_peers: List[str] = PeersOpt, host: str = HostOpt, port: int = PortOpt,
     announce_host: Optional[str] = AnnounceOpt, identity: Optional[str] = IdentityOpt,
     maddr_file: Optional[str] = typer.Option(None, help="also write the multiaddrs to this file"),
+    certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
 ) -> None:
     """A DHT peer to join through; prints its full multiaddrs."""
@@ -187,7 +258,8 @@ def bootstrap(
 
     setup_logging(log_level)
     m = _manifest(manifest) if manifest else None
-    raise typer.Exit(_join_errors(lambda: run_bootstrap(m, initial_peers, host, port, announce_host, identity, maddr_file)))
+    raise typer.Exit(_join_errors(lambda: run_bootstrap(m, initial_peers, host, port, announce_host, identity, maddr_file,
+                                                         certificate)))
 
 
 @app.command()
@@ -205,6 +277,7 @@ def node(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads for this node"),
     attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): KIND[:strength]"),
     sentinel: bool = typer.Option(False, help="screen received messages with SENTINEL and ban corrupted senders"),
+    certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
 ) -> None:
     """Serve one pipeline stage: forward/backward for trainers and the previous stage, averaging with replicas."""
@@ -219,7 +292,7 @@ def node(
                        rebalance_every_s=rebalance_every, sentinel=sentinel)
     raise typer.Exit(_join_errors(lambda: run_node(
         m, stage, initial_peers, host, port, announce_host, identity, opts, summary=summary, resume=resume,
-        metrics_port=metrics_port, attack=attack)))
+        metrics_port=metrics_port, attack=attack, certificate=certificate)))
 
 
 @app.command()
@@ -232,6 +305,7 @@ def train(
     max_tokens: Optional[int] = typer.Option(None, help="stop after this many tokens (default: until stopped)"),
     val_batches: int = typer.Option(4, help="validation microbatches to run through the swarm at the end"),
     summary: Optional[str] = typer.Option(None, help="write a JSON summary here on exit"),
+    certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
 ) -> None:
     """Feed a data shard into the pipeline and report the loss."""
@@ -250,7 +324,8 @@ def train(
         raise typer.Exit(2)
     opts = TrainerOptions(in_flight=in_flight)
     raise typer.Exit(_join_errors(lambda: run_trainer(
-        m, initial_peers, host, port, identity, index, count, opts, max_tokens, summary, val_batches)))
+        m, initial_peers, host, port, identity, index, count, opts, max_tokens, summary, val_batches,
+        certificate=certificate)))
 
 
 @app.command()
@@ -264,7 +339,7 @@ def status(
     from agora.swarm.status import render_status, swarm_status
 
     m = _manifest(manifest)
-    dht = _join_errors(lambda: make_dht(initial_peers, client_mode=True))
+    dht = _join_errors(lambda: make_dht(initial_peers, client_mode=True, manifest=m, writes=False))
     try:
         snap = swarm_status(dht, m)
     finally:

@@ -97,6 +97,28 @@ class DataConfig(_Strict):
     max_documents: Optional[int] = Field(default=None, gt=0, description="use only the first N documents")
 
 
+class SecurityConfig(_Strict):
+    """Who speaks for the run. Part of the manifest (and its hash), so changing the authority makes another run."""
+
+    authority: Optional[str] = Field(
+        default=None,
+        description="the run authority's public key (OpenSSH 'ssh-rsa AAAA...', from `agora keygen`); the manifest "
+        "file must then be accompanied by FILE.sig from `agora sign-manifest`",
+    )
+    allow_list: bool = Field(
+        default=False, description="only peers holding a certificate of the authority (`agora certify`) take part"
+    )
+
+    @model_validator(mode="after")
+    def _allow_list_needs_authority(self) -> "SecurityConfig":
+        if self.allow_list and not self.authority:
+            raise ValueError("security.allow_list needs security.authority: certificates are signed by the authority")
+        if self.authority is not None and not self.authority.startswith("ssh-rsa "):
+            raise ValueError("security.authority must be an OpenSSH RSA public key ('ssh-rsa AAAA...'), as written "
+                             "by `agora keygen KEYFILE` into KEYFILE.pub")
+        return self
+
+
 class Manifest(_Strict):
     run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     seed: int = 0
@@ -106,6 +128,7 @@ class Manifest(_Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     batch: BatchConfig = BatchConfig()
     data: DataConfig = DataConfig()
+    security: SecurityConfig = SecurityConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -202,4 +225,28 @@ def load_manifest(path_or_preset: str | Path) -> Manifest:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ManifestError(f"invalid manifest {source}: not valid YAML ({err})") from None
-    return parse_manifest(data, source)
+    manifest = parse_manifest(data, source)
+    if manifest.security.authority and name not in PRESETS:
+        check_manifest_signature(Path(name), manifest)
+    return manifest
+
+
+def signature_path(manifest_path: Path) -> Path:
+    return manifest_path.with_name(manifest_path.name + ".sig")
+
+
+def check_manifest_signature(path: Path, manifest: Manifest) -> None:
+    """Refuse a manifest that names an authority unless ``FILE.sig`` is that authority's signature of the file.
+
+    Why the exact file bytes: the signature then covers everything a peer acts on, comments included, and a
+    modified copy (a changed learning rate, another corpus) is refused before anything is built from it.
+    """
+    from agora.security.identity import verify_manifest  # lazy: config must stay importable without hivemind
+
+    sig = signature_path(path)
+    if not sig.exists():
+        raise ManifestError(f"manifest {path} names an authority (security.authority) but its signature {sig} is "
+                            f"missing; get it from the run's organiser (`agora sign-manifest` writes it)")
+    if not verify_manifest(path.read_bytes(), sig.read_bytes().strip(), manifest.security.authority):
+        raise ManifestError(f"manifest {path} does not match its signature {sig}: the file was modified after the "
+                            f"authority signed it, or signed by another key. Refusing to use it.")

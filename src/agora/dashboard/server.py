@@ -236,7 +236,7 @@ def run_dashboard(manifest, initial_peers: Sequence[str], host: str = "127.0.0.1
     from agora.swarm.peer import install_stop_signals, make_dht
     from agora.swarm.status import swarm_status
 
-    dht = make_dht(initial_peers, client_mode=True)
+    dht = make_dht(initial_peers, client_mode=True, manifest=manifest, writes=False)
     state = DashboardState(layout=manifest.stages)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dashboard-dht")
 

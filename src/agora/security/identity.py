@@ -20,23 +20,13 @@ from hivemind's own ``RecordValidatorBase`` so every DHT node enforces them on s
 * **Signed manifests**: ``sign_manifest`` / ``verify_manifest`` over the manifest's bytes (domain-separated), so a
   joining peer can check that the manifest it was handed is the authority's.
 
-Integration (the lead wires it; ``agora.swarm`` is untouched by this module):
-
-1. ``agora.swarm.peer.make_dht``: ``key = ensure_identity(identity_path or default path)``;
-   ``validators = make_record_validators(manifest.run_id, manifest.n_stages, key, authority=..., certificate=...)``;
-   ``DHT(..., identity_path=path, record_validators=validators)``. Check ``peer_id_of(key) == str(dht.peer_id)``.
-2. ``agora.swarm.records.announce``: use ``owner_subkey(peer_id, key)`` as the subkey instead of ``peer_id``, for
-   every writer (stage nodes, trainers, ``publish_manifest``, bans, acks). Readers that use the subkey as a name
-   (``status.py``'s ban publisher, acks) take ``subkey_peer_id(sub)``. Switch all roles at once: a peer running
-   these validators refuses the plain-subkey records of a peer that does not (a run must agree on its validators,
-   like on its manifest).
-3. The manifest's authority key and the node's certificate come from CLI options / files (``--authority-key``,
-   ``--certificate``); ``Manifest`` is strict, so a ``security`` section would be a schema change (the manifest
-   hash covers it then, which is what one wants). Verify ``verify_manifest(yaml_bytes, sig, authority)`` before
-   ``load_manifest`` when an authority is configured.
-
-Not covered here: authenticating data-plane RPCs. libp2p already authenticates the caller's peer id on every
-stream; with self-certifying ids, the callee can look the caller's certificate up in its stage record.
+How the swarm uses it: ``agora.swarm.credentials`` loads the identity and certificate and builds the validators
+for ``agora.swarm.peer.make_dht``; ``agora.swarm.records.announce`` writes every record under
+``owner_subkey(peer_id, key)``; the manifest's ``security`` section names the authority and whether the run is
+allow-listed, and ``agora.config.load_manifest`` refuses a manifest file whose ``.sig`` does not verify.
+Data-plane RPCs: libp2p authenticates the caller's peer id on every stream, and with self-certifying ids a callee
+of an allow-listed run serves a caller only if it holds a certified record of the run
+(``agora.swarm.credentials.RunMembers``).
 """
 
 from __future__ import annotations
@@ -65,7 +55,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 MANIFEST_DOMAIN = b"agora-manifest-v1\x00"
 CERT_DOMAIN = b"agora-peer-cert-v1\x00"
 CERT_FIELD = "cert"
-RUN_KEY_SUFFIXES = ("_trainers", "_manifest", "_acks", "_bans")
+RUN_KEY_SUFFIXES = ("_trainers", "_manifest", "_acks", "_bans", "_moving")
 STAGE_STATES = ("joining", "syncing", "serving", "leaving")
 MAX_VALUE_BYTES = 8192  # a stage record is ~0.5 KB; an acks record grows ~55 B per acknowledged peer
 MAX_SUBKEY_BYTES = 1024
@@ -412,11 +402,15 @@ class AllowListValidator(RecordValidatorBase):
 
 def make_record_validators(run_id: str, n_stages: int, private_key: RSAPrivateKey,
                            authority: Optional[PublicKeyLike] = None, certificate: Optional[Certificate] = None,
-                           max_value_bytes: int = MAX_VALUE_BYTES) -> list[RecordValidatorBase]:
+                           max_value_bytes: int = MAX_VALUE_BYTES,
+                           allow_foreign_keys: bool = False) -> list[RecordValidatorBase]:
     """The validators every peer of a run passes to ``hivemind.DHT(record_validators=...)``.
 
     Without ``authority`` the run is permissionless but records are still owner-signed and self-certifying. With
-    it, only keys certified by the authority can write the run's keys (and nothing else can be stored).
+    it, only keys certified by the authority can write the run's keys; ``allow_foreign_keys`` decides whether
+    other keys may be stored at all (a live swarm needs it: hivemind's averager matchmaking writes unsigned records
+    under its own keys, so those are let through and averaging groups are checked against the run's certified
+    replicas after each round instead).
     """
     validators: list[RecordValidatorBase] = [
         RecordSizeValidator(),
@@ -424,7 +418,8 @@ def make_record_validators(run_id: str, n_stages: int, private_key: RSAPrivateKe
         AgoraRecordValidator(run_id, n_stages, max_value_bytes),
     ]
     if authority is not None:
-        validators.append(AllowListValidator(run_id, n_stages, authority, certificate))
+        validators.append(AllowListValidator(run_id, n_stages, authority, certificate,
+                                             allow_foreign_keys=allow_foreign_keys))
     return validators
 
 

@@ -314,6 +314,15 @@ class ReplicaSync:
                 # would poison ours, so drop the round and step on our own gradient.
                 logger.warning(f"stage {n.stage_index}: a banned replica joined the round; discarding it")
                 result = None
+            if result is not None and n.members is not None:
+                # Allow-listed run: hivemind's matchmaking keys are not certified, so an outsider could enter the
+                # group; only replicas holding a certified record of this stage may contribute to our update.
+                allowed = {r.peer_id for r in await self.replicas()} | {n.peer_id}
+                outsiders = {str(p) for p in result} - allowed
+                if outsiders:
+                    logger.warning(f"stage {n.stage_index}: uncertified peers {sorted(outsiders)} joined the round; "
+                                   f"discarding it")
+                    result = None
             if result is not None:
                 group = len(result)
                 steps = {g.get("step") for g in result.values() if isinstance(g, dict)}

@@ -275,7 +275,7 @@ def run_demo(
     train_t0: Optional[float] = None
     try:
         maddr = swarm.start_bootstrap()
-        dht = make_dht([maddr], client_mode=True)
+        dht = make_dht([maddr], client_mode=True, manifest=manifest, writes=False)
         for s in range(manifest.n_stages):
             for _ in range(replicas):
                 swarm.start_node(s)

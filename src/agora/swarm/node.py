@@ -58,6 +58,7 @@ from agora.swarm.records import (
 from agora.swarm.routing import BanList, Move, pick_peer_or_fallback, plan_rebalance
 from agora.security.ratelimit import RateLimiter
 from agora.security.sentinel import SentinelConfig, SentinelMonitor
+from agora.swarm.credentials import RunMembers
 from agora.swarm.transport import RpcError, TransferStats
 from agora.wire import WIRE_DTYPES, Boundary, compress, decompress
 
@@ -212,6 +213,8 @@ class StageNode:
         # corrupted senders are banned: their messages dropped, routing avoids them, the ban is published.
         self.sentinel = SentinelMonitor(SentinelConfig(seed=manifest.seed)) if self.opts.sentinel else None
         self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
+        # Allow-listed runs: only callers holding a certified record of the run are served (see credentials.py).
+        self.members = RunMembers(manifest) if manifest.security.allow_list else None
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)
 
@@ -639,8 +642,26 @@ class StageNode:
             logger.warning(f"SENTINEL banned {sender[-8:]} ({direction} at boundary {boundary}): {verdict.reasons[:3]}")
         return verdict.flagged or verdict.banned
 
+    async def _authorize(self, caller: str) -> None:
+        """Refuse callers without a certified record in an allow-listed run; no-op in open runs.
+
+        An unknown caller triggers one DHT re-read (at most one per second), so a peer that just announced itself
+        is served on its first or second try, and an outsider's flood costs one read per second.
+        """
+        if self.members is None or self.members.known(caller):
+            return
+        if self.members.should_refresh():
+            try:
+                await self.run_io(self.members.refresh, self.dht)
+            except Exception as err:  # the DHT is slow: refuse now, the caller retries
+                logger.debug(f"membership refresh failed: {err!r}")
+        if not self.members.known(caller):
+            raise self._reject("unauthorized", f"peer {caller} holds no certified record of run "
+                                               f"{self.manifest.run_id!r} (allow-listed run)")
+
     async def _handle_fwd_bwd(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
         sender = str(caller)
+        await self._authorize(sender)
         if sender in self.banned_peers():
             raise self._reject("banned", f"peer {sender} is banned here for sending corrupted messages")
         if not self.limiter.allow(sender):
@@ -757,6 +778,7 @@ class StageNode:
             )
 
     async def _handle_get_state(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
+        await self._authorize(str(caller))
         if meta.get("run_id") != self.manifest.run_id or meta.get("manifest_hash") != self.manifest.hash:
             raise RpcError("manifest_mismatch", "state requested for another run or manifest")
         if meta.get("stage") != self.stage_index:

@@ -16,12 +16,13 @@ os.environ.setdefault("USE_LEGACY_BFLOAT16", "0")  # before hivemind is imported
 from hivemind import DHT  # noqa: E402
 
 from agora.config import Manifest  # noqa: E402
-from agora.swarm.records import announce, manifest_key, read_subkeys  # noqa: E402
+from agora.swarm.records import announce, bind_owner_key, manifest_key, read_subkeys  # noqa: E402
 
 logger = logging.getLogger("agora")
 
 EXIT_MANIFEST_MISMATCH = 3
 EXIT_UNREACHABLE = 4
+EXIT_CREDENTIALS = 5
 
 
 class JoinError(RuntimeError):
@@ -39,19 +40,43 @@ def make_dht(
     announce_host: Optional[str] = None,
     identity: Optional[str] = None,
     client_mode: bool = False,
+    manifest: Optional[Manifest] = None,
+    certificate: Optional[str] = None,
+    writes: bool = True,
 ) -> DHT:
     """Start this process's DHT node (hivemind runs it in a child process with its own libp2p daemon).
 
     ``host`` defaults to loopback for local runs; real swarms pass ``--host 0.0.0.0 --announce-host PUBLIC_IP``
     because hivemind otherwise announces an address nobody outside can dial.
+
+    With a ``manifest`` the DHT enforces the run's record rules (``agora.swarm.credentials``): every record it
+    writes is signed by the peer's identity key, records it reads or stores are checked, and in an allow-listed run
+    only certified keys can write. Every peer of a run, readers included, needs them: signed values carry their
+    signature, which only the validators strip. ``certificate`` is the authority's certificate file for
+    ``identity``; ``writes=False`` marks a read-only client (no certificate needed).
     """
+    if announce_host and not port:
+        raise JoinError("--announce-host needs a fixed --port: the announced address must name the port", 2)
+    creds = None
+    validators = None
+    if manifest is not None:
+        from agora.swarm.credentials import CredentialError, load_credentials, record_validators
+
+        try:
+            creds = load_credentials(manifest, identity, certificate, writes=writes)
+        except CredentialError as err:
+            raise JoinError(str(err), EXIT_CREDENTIALS) from None
+        identity = creds.identity_path
+        validators = record_validators(manifest, creds)
     kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity, client_mode=client_mode)
+    if validators is not None:
+        kwargs["record_validators"] = validators
+    if creds is not None and creds.ephemeral_dir:
+        kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's; skip the ~1 s probe
     if announce_host:
-        if not port:
-            raise JoinError("--announce-host needs a fixed --port: the announced address must name the port", 2)
         kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
     try:
-        return DHT(initial_peers=list(initial_peers), start=True, **kwargs)
+        dht = DHT(initial_peers=list(initial_peers), start=True, **kwargs)
     except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
         peers = ", ".join(initial_peers) or "(none)"
         raise JoinError(
@@ -60,6 +85,16 @@ def make_dht(
             f"port is reachable from this machine (firewall / NAT).",
             EXIT_UNREACHABLE,
         ) from err
+    finally:
+        if creds is not None:
+            creds.discard_ephemeral()  # the daemon has read it; an ephemeral key never outlives the process
+    if creds is not None:
+        if str(dht.peer_id) != creds.peer_id:  # records would name a peer id the key cannot sign for
+            dht.shutdown()
+            raise JoinError(f"identity {identity}: the DHT came up as {dht.peer_id}, not as the key's peer id "
+                            f"{creds.peer_id}", EXIT_CREDENTIALS)
+        bind_owner_key(dht, creds.key)
+    return dht
 
 
 def visible_maddrs(dht: DHT) -> list[str]:

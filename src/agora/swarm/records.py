@@ -4,11 +4,17 @@ One DHT key per (run, stage) with one subkey per peer, so records expire indepen
 when its record's short expiry passes, without anyone deleting it. Values are small dicts (a few hundred bytes).
 Every record carries the manifest hash; readers drop records of another manifest, so two runs (or a stale
 manifest) that share a DHT never mix.
+
+Ownership: a DHT made for a run (``agora.swarm.peer.make_dht`` with a manifest) has the peer's signing key bound to
+it (``bind_owner_key``). ``announce`` then writes under ``owner_subkey(peer_id, key)``, which hivemind's
+``RSASignatureValidator`` only accepts with that key's signature, and ``agora.security.identity`` checks that the
+peer id is the key's own. Readers get plain peer ids back (``read_subkeys`` strips the owner marker).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -96,18 +102,39 @@ class TrainerRecord:
 DHT_TIMEOUT_S = 10.0  # every DHT call is bounded: a thread blocked forever on a dead DHT process blocks exit
 
 
+_OWNER_KEYS: "weakref.WeakKeyDictionary[DHT, Any]" = weakref.WeakKeyDictionary()
+
+
+def bind_owner_key(dht: DHT, key: Any) -> None:
+    """Sign every record ``dht`` writes with ``key`` (an ``RSAPrivateKey``, the key of the DHT's own peer id)."""
+    _OWNER_KEYS[dht] = key
+
+
 def announce(dht: DHT, key: str, subkey: str, value: dict, ttl: float = RECORD_TTL_S) -> bool:
     value = dict(value, updated=time.time())
-    future = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl, return_future=True)
+    owner = _OWNER_KEYS.get(dht)
+    stored_subkey: Any = subkey
+    if owner is not None:
+        from agora.security.identity import owner_subkey
+
+        stored_subkey = owner_subkey(subkey, owner)
+    future = dht.store(key, subkey=stored_subkey, value=value, expiration_time=get_dht_time() + ttl,
+                       return_future=True)
     return bool(future.result(timeout=DHT_TIMEOUT_S))
 
 
 def read_subkeys(dht: DHT, key: str, latest: bool = True) -> dict[str, Any]:
-    """All live subkey values of ``key`` ({subkey: value}); empty when the key is unknown."""
+    """All live subkey values of ``key`` as {peer id: value}; empty when the key is unknown.
+
+    Owner-signed subkeys (``peer_id[owner:ssh-rsa ...]``) are reported by their peer id: the validators already
+    checked the signature and that the key is that peer's.
+    """
+    from agora.security.identity import subkey_peer_id
+
     found = dht.get(key, latest=latest, return_future=True).result(timeout=DHT_TIMEOUT_S)
     if found is None or not isinstance(found.value, dict):
         return {}
-    return {str(sub): item.value for sub, item in found.value.items()}
+    return {subkey_peer_id(sub): item.value for sub, item in found.value.items()}
 
 
 def read_stage(dht: DHT, run_id: str, stage: int, manifest_hash: str) -> list[StageRecord]:

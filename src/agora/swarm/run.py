@@ -56,8 +56,9 @@ def _write(path: Optional[str], data: dict) -> None:
 
 
 def run_bootstrap(manifest: Optional[Manifest], initial_peers: Sequence[str], host: str, port: int,
-                  announce_host: Optional[str], identity: Optional[str], maddr_file: Optional[str]) -> int:
-    dht = make_dht(initial_peers, host, port, announce_host, identity)
+                  announce_host: Optional[str], identity: Optional[str], maddr_file: Optional[str],
+                  certificate: Optional[str] = None) -> int:
+    dht = make_dht(initial_peers, host, port, announce_host, identity, manifest=manifest, certificate=certificate)
     maddrs = visible_maddrs(dht)
     print("\n".join(maddrs), flush=True)
     if maddr_file:
@@ -107,11 +108,12 @@ def choose_stage(dht, manifest: Manifest) -> int:
 
 def run_node(manifest: Manifest, stage: str, initial_peers: Sequence[str], host: str, port: int,
              announce_host: Optional[str], identity: Optional[str], options, summary: Optional[str] = None,
-             resume: Optional[str] = None, metrics_port: Optional[int] = None, attack: Optional[str] = None) -> int:
+             resume: Optional[str] = None, metrics_port: Optional[int] = None, attack: Optional[str] = None,
+             certificate: Optional[str] = None) -> int:
     from agora.swarm.checkpoint import load_stage_checkpoint
     from agora.swarm.node import StageNode
 
-    dht = make_dht(initial_peers, host, port, announce_host, identity)
+    dht = make_dht(initial_peers, host, port, announce_host, identity, manifest=manifest, certificate=certificate)
     node = None
     exit_through_finally_on_sigterm()
     try:
@@ -191,13 +193,15 @@ def node_summary(node) -> dict:
 
 def run_trainer(manifest: Manifest, initial_peers: Sequence[str], host: str, port: int,
                 identity: Optional[str], shard_index: int, shard_count: int, options,
-                max_tokens: Optional[int], summary: Optional[str], val_batches: int = 0) -> int:
+                max_tokens: Optional[int], summary: Optional[str], val_batches: int = 0,
+                certificate: Optional[str] = None) -> int:
     from agora.data import build_datasets
     from agora.swarm.trainer import Trainer
 
     train, val, _ = build_datasets(manifest)
     shard = train.shard(manifest.seed, shard_index, shard_count)
-    dht = make_dht(initial_peers, host, port, None, identity, client_mode=True)
+    dht = make_dht(initial_peers, host, port, None, identity, client_mode=True, manifest=manifest,
+                   certificate=certificate)
     t0 = time.time()
     exit_through_finally_on_sigterm()
     try:

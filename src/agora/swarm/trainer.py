@@ -95,6 +95,7 @@ class Trainer:
 
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
+        await self.announce()  # stages of an allow-listed run serve only callers with a (certified) record
         await self.refresh()
 
     def close(self) -> None:

@@ -1,0 +1,160 @@
+"""A peer's credentials for a run (identity key, authority certificate) and the run's membership check for RPCs.
+
+Why a peer always has a key: records are owner-signed (``agora.security.identity``), and the signing key must be
+the libp2p identity of the DHT, so that the peer id in a record is provably the writer's. Without ``--identity`` a
+peer gets a fresh ephemeral key (a new peer id per start, like before); with it, the same id across restarts, which
+an allow-listed run needs because the authority certifies one key.
+
+Allow-listed runs (``security.allow_list`` in the manifest): records on the run's keys need a valid certificate of
+the writer's key, so "has a record in the run" means "is certified". ``RunMembers`` turns that into the RPC check:
+libp2p authenticates the caller's peer id on every stream, and a stage serves a caller only if that id holds a
+record of the run (a stage node or a trainer). Open runs skip the check: anyone may announce a record there, so it
+would only add latency, and rate limits plus SENTINEL are what protects an open run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hivemind.utils.crypto import RSAPrivateKey
+
+from agora.config import Manifest
+from agora.security.identity import (
+    Certificate,
+    ensure_identity,
+    make_record_validators,
+    peer_id_of,
+    public_key_bytes,
+    verify_certificate,
+)
+
+logger = logging.getLogger("agora.credentials")
+
+MEMBER_TTL_S = 30.0  # a caller seen in the run's records stays authorised this long after its record was last seen
+REFRESH_MIN_S = 1.0  # an unknown caller triggers at most one DHT read per second
+
+
+class CredentialError(ValueError):
+    """Credentials that cannot take part in the run; the message says what to do."""
+
+
+@dataclass
+class Credentials:
+    identity_path: str
+    key: RSAPrivateKey
+    certificate: Optional[Certificate]
+    ephemeral_dir: Optional[str] = None  # removed once the DHT has read the identity
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id_of(self.key)
+
+    def discard_ephemeral(self) -> None:
+        if self.ephemeral_dir:
+            shutil.rmtree(self.ephemeral_dir, ignore_errors=True)
+            self.ephemeral_dir = None
+
+
+def load_certificate(path: str | Path) -> Certificate:
+    try:
+        cert = Certificate.from_value(json.loads(Path(path).read_text()))
+    except (OSError, ValueError) as err:
+        raise CredentialError(f"cannot read certificate {path}: {err}") from None
+    if cert is None:
+        raise CredentialError(f"{path} is not an agora certificate (expected the JSON written by `agora certify`)")
+    return cert
+
+
+def save_certificate(cert: Certificate, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cert.to_value(), indent=1) + "\n")
+
+
+def load_credentials(manifest: Manifest, identity: Optional[str], certificate: Optional[str],
+                     writes: bool = True) -> Credentials:
+    """The key and certificate this peer uses in ``manifest``'s run, checked before anything is started.
+
+    ``writes``: the role announces records (nodes, trainers, the bootstrap). Read-only clients (status, dashboard)
+    need no certificate even in an allow-listed run: validators check what they read, not who reads.
+    """
+    security = manifest.security
+    ephemeral = None
+    if identity is None:
+        if security.allow_list and writes:
+            raise CredentialError(
+                f"run {manifest.run_id!r} is allow-listed: pass --identity KEYFILE (the key your certificate was "
+                f"issued for) and --certificate CERT (from the organiser: `agora certify`)")
+        ephemeral = tempfile.mkdtemp(prefix="agora-id-")
+        identity = os.path.join(ephemeral, "identity.key")
+    try:
+        key = ensure_identity(identity)
+    except (OSError, ValueError) as err:
+        raise CredentialError(f"cannot use identity {identity}: {err}") from None
+    cert = None
+    if certificate is not None:
+        cert = load_certificate(certificate)
+        if security.authority is None:
+            raise CredentialError(f"--certificate given, but the manifest of run {manifest.run_id!r} names no "
+                                  f"authority (security.authority): nothing could check it")
+        if not verify_certificate(cert, security.authority, manifest.run_id, key):
+            reason = ("it was issued for another key" if cert.public_key != public_key_bytes(key)
+                      else f"it is for run {cert.run_id!r}" if cert.run_id != manifest.run_id
+                      else "it expired" if cert.expires and time.time() > cert.expires
+                      else "its signature is not the authority's")
+            raise CredentialError(f"certificate {certificate} is not valid for run {manifest.run_id!r} with identity "
+                                  f"{identity}: {reason}")
+    elif security.allow_list and writes:
+        raise CredentialError(f"run {manifest.run_id!r} is allow-listed: pass --certificate CERT, the authority's "
+                              f"certificate for your key (peer id {peer_id_of(key)}; send the organiser "
+                              f"{identity}.pub or the output of `agora keygen`)")
+    return Credentials(identity, key, cert, ephemeral)
+
+
+def record_validators(manifest: Manifest, creds: Credentials) -> list:
+    """hivemind record validators for this run: owner-signed self-certifying records, plus the allow-list."""
+    authority = manifest.security.authority if manifest.security.allow_list else None
+    return make_record_validators(manifest.run_id, manifest.n_stages, creds.key, authority=authority,
+                                  certificate=creds.certificate, allow_foreign_keys=True)
+
+
+class RunMembers:
+    """Which peer ids hold a (validated, hence in an allow-listed run certified) record of the run.
+
+    Reads go through the DHT, whose validators dropped every record without a valid signature and certificate. A
+    lookup of an unknown caller refreshes at most every ``REFRESH_MIN_S``, so a flood of calls from an outsider
+    costs one DHT read per second, not one per call.
+    """
+
+    def __init__(self, manifest: Manifest, refresh_min_s: float = REFRESH_MIN_S, ttl_s: float = MEMBER_TTL_S):
+        self.manifest = manifest
+        self.refresh_min_s = refresh_min_s
+        self.ttl_s = ttl_s
+        self._seen: dict[str, float] = {}
+        self._refreshed_at = 0.0
+
+    def refresh(self, dht) -> None:
+        """(io thread) Re-read the run's stage and trainer records."""
+        from agora.swarm.records import read_subkeys, stage_key, trainers_key
+
+        now = time.monotonic()
+        self._refreshed_at = now
+        keys = [stage_key(self.manifest.run_id, s) for s in range(self.manifest.n_stages)]
+        keys.append(trainers_key(self.manifest.run_id))
+        for key in keys:
+            for peer, value in read_subkeys(dht, key).items():
+                if isinstance(value, dict) and value.get("manifest_hash") == self.manifest.hash:
+                    self._seen[peer] = now
+
+    def known(self, peer_id: str) -> bool:
+        seen = self._seen.get(peer_id)
+        return seen is not None and time.monotonic() - seen < self.ttl_s
+
+    def should_refresh(self) -> bool:
+        return time.monotonic() - self._refreshed_at >= self.refresh_min_s
