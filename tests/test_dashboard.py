@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from agora.config import load_manifest
-from agora.swarm.demo import Child, Swarm
+from agora.swarm.demo import Child, LocalAuthority, Swarm
 from agora.swarm.peer import make_dht, visible_maddrs
 from swarm_util import leftover_children
 
@@ -117,10 +117,15 @@ def _session_leftovers(pids: list[int]) -> list[psutil.Process]:
 
 
 def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
-    man = load_manifest("tiny")
+    # An invitation-only run (signed manifest, a certified key per process, as `agora demo --allow-list` makes it):
+    # the page can only show peers whose certified records the dashboard's validators accepted, and the trainer's
+    # work only flows if every stage authorises its certified callers.
+    authority = LocalAuthority(tmp_path / "keys")
+    man = authority.secure(load_manifest("tiny"))
     manifest_path = tmp_path / "manifest.yaml"
     manifest_path.write_text(man.to_yaml())
-    swarm = Swarm(manifest_path, tmp_path / "swarm")
+    authority.sign(manifest_path)
+    swarm = Swarm(manifest_path, tmp_path / "swarm", authority=authority)
     dash: Child | None = None
     # The bootstrap DHT lives in this process (one interpreter fewer to start on a busy machine); nodes, trainer and
     # dashboard are real processes, each in its own session, started together.

@@ -370,6 +370,7 @@ def demo(
     residual: Optional[str] = typer.Option(None, help="override the preset's residual mode: dense or subspace"),
     link_mbps: Optional[float] = typer.Option(None, help="emulate each peer's uplink at this many Mbit/s"),
     link_latency_ms: float = typer.Option(0.0, help="emulated one-way latency per message"),
+    allow_list: bool = typer.Option(False, help="invitation-only run: signed manifest, every peer with a certified key"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.swarm.demo import run_demo
@@ -379,7 +380,7 @@ def demo(
         in_flight=in_flight, chaos=chaos, chaos_last=chaos_last, timeout=timeout, threads=threads,
         dashboard_port=dashboard_port if dashboard else None, live=not no_live,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-        residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms,
+        residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms, allow_list=allow_list,
     )
     mb = summary["microbatches"]
     console.print(

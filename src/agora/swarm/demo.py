@@ -55,6 +55,44 @@ def demo_manifest(preset: str, stages: int, residual: Optional[str] = None) -> M
     return m
 
 
+class LocalAuthority:
+    """An invitation-only run on one machine: an authority key, a signed manifest, a certified key per process.
+
+    Exercises the same files and flags a real allow-listed run uses (``agora keygen`` / ``sign-manifest`` /
+    ``certify``, then ``--identity`` and ``--certificate`` on every peer), so the demo proves the path end to end.
+    """
+
+    def __init__(self, keys_dir: Path):
+        from agora.security.identity import generate_key, save_private_key
+
+        self.dir = Path(keys_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.key = generate_key()
+        save_private_key(self.key, self.dir / "authority.key")
+
+    def secure(self, manifest: Manifest) -> Manifest:
+        from agora.security.identity import public_key_bytes
+
+        security = {"authority": public_key_bytes(self.key).decode(), "allow_list": True}
+        return manifest.with_overrides(security=security)
+
+    def sign(self, manifest_path: Path) -> None:
+        from agora.config import signature_path
+        from agora.security.identity import sign_manifest
+
+        signature_path(manifest_path).write_bytes(sign_manifest(manifest_path.read_bytes(), self.key) + b"\n")
+
+    def credentials(self, name: str, run_id: str) -> list[str]:
+        """``--identity/--certificate`` arguments of a fresh certified key for process ``name``."""
+        from agora.security.identity import generate_key, issue_certificate, save_private_key
+        from agora.swarm.credentials import save_certificate
+
+        key = generate_key()
+        save_private_key(key, self.dir / f"{name}.key")
+        save_certificate(issue_certificate(self.key, run_id, key), self.dir / f"{name}.cert")
+        return ["--identity", str(self.dir / f"{name}.key"), "--certificate", str(self.dir / f"{name}.cert")]
+
+
 @dataclass
 class Child:
     role: str
@@ -99,8 +137,10 @@ class Swarm:
     """The processes of a local swarm and how to start and stop them."""
 
     def __init__(self, manifest_path: Path, out: Path, threads: int = 1, extra_node_args: Optional[list[str]] = None,
-                 env: Optional[dict[str, str]] = None):
+                 env: Optional[dict[str, str]] = None, authority: Optional[LocalAuthority] = None):
         self.manifest_path = manifest_path
+        self.authority = authority
+        self.run_id = load_manifest(str(manifest_path)).run_id
         self.env = env or {}
         self.out = out
         self.threads = threads
@@ -117,6 +157,8 @@ class Swarm:
         log = self.out / "logs" / f"{name}.log"
         summary = self.out / "procs" / f"{name}.json"
         cmd = [sys.executable, "-m", "agora.cli", role, *args]
+        if self.authority is not None and role in ("bootstrap", "node", "train"):
+            cmd += self.authority.credentials(name, self.run_id)
         if role != "bootstrap":
             cmd += ["--summary", str(summary)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads), **self.env)
@@ -232,6 +274,7 @@ def run_demo(
     residual: Optional[str] = None,
     link_mbps: Optional[float] = None,
     link_latency_ms: float = 0.0,
+    allow_list: bool = False,
 ) -> dict:
     """Run a local swarm until every stage took ``steps`` steps, or the trainers reached ``tokens`` tokens, or
     ``train_seconds`` of training passed (whichever comes first); ``timeout`` (from the start) is a failure.
@@ -241,6 +284,7 @@ def run_demo(
     ``checkpoint_dir``/``checkpoint_every``/``resume`` are passed to every node (``agora node`` options).
     ``link_mbps``/``link_latency_ms`` emulate each peer's internet link: every process throttles the tensor RPCs it
     sends (``AGORA_LINK``, see ``agora.netem``). DHT and averaging traffic is not capped; it is small here.
+    ``allow_list``: an invitation-only run (``LocalAuthority``): signed manifest, every peer with a certified key.
     """
     from agora.swarm.peer import make_dht
     from agora.swarm.status import swarm_status
@@ -248,8 +292,18 @@ def run_demo(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = demo_manifest(preset, stages, residual)
+    if allow_list and measure_divergence:
+        raise ValueError("measure_divergence downloads replica states from the demo process, which holds no "
+                         "certificate: not available with allow_list")
+    authority = LocalAuthority(out / "keys") if allow_list else None
+    if authority is not None:
+        manifest = authority.secure(manifest)
     manifest_path = out / "manifest.yaml"
     manifest_path.write_text(manifest.to_yaml())
+    if authority is not None:
+        authority.sign(manifest_path)
+        console.print(f"allow-listed run: manifest signed by {out / 'keys' / 'authority.key'}; every peer gets a "
+                      f"certified key in {out / 'keys'}")
     extra = list(node_args or [])
     if checkpoint_dir is not None:
         extra += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(checkpoint_every)]
@@ -262,7 +316,7 @@ def run_demo(
         )
         console.print(f"link emulation: every peer's tensor RPCs throttled in the transport ({env['AGORA_LINK']}); "
                       f"network namespaces are not used by the demo")
-    swarm = Swarm(manifest_path, out, threads=threads, extra_node_args=extra, env=env)
+    swarm = Swarm(manifest_path, out, threads=threads, extra_node_args=extra, env=env, authority=authority)
     rng = random.Random(seed)
     events: list[str] = []
     t0 = time.time()

@@ -215,6 +215,7 @@ class StageNode:
         self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
         # Allow-listed runs: only callers holding a certified record of the run are served (see credentials.py).
         self.members = RunMembers(manifest) if manifest.security.allow_list else None
+        self._members_lock = asyncio.Lock()
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)
 
@@ -650,11 +651,13 @@ class StageNode:
         """
         if self.members is None or self.members.known(caller):
             return
-        if self.members.should_refresh():
-            try:
-                await self.run_io(self.members.refresh, self.dht)
-            except Exception as err:  # the DHT is slow: refuse now, the caller retries
-                logger.debug(f"membership refresh failed: {err!r}")
+        # One refresh at a time: concurrent first calls of a new peer wait for it instead of being refused.
+        async with self._members_lock:
+            if not self.members.known(caller) and self.members.should_refresh():
+                try:
+                    await self.run_io(self.members.refresh, self.dht)
+                except Exception as err:  # the DHT is slow: refuse now, the caller retries
+                    logger.debug(f"membership refresh failed: {err!r}")
         if not self.members.known(caller):
             raise self._reject("unauthorized", f"peer {caller} holds no certified record of run "
                                                f"{self.manifest.run_id!r} (allow-listed run)")

@@ -149,8 +149,9 @@ class Trainer:
             await self.refresh()
         return False
 
-    # Codes with which a head reports a failure downstream of it: retry elsewhere, but do not ban the head.
-    DOWNSTREAM_CODES = ("retries_exhausted", "no_peers")
+    # Codes with which a head reports a failure downstream of it, or that a moment fixes (``unauthorized``: our
+    # certified record has not reached the head's DHT view yet): retry (bounded), but do not ban the head.
+    DOWNSTREAM_CODES = ("retries_exhausted", "no_peers", "unauthorized")
 
     async def send(
         self, batch: torch.Tensor, train: bool = True, stop: Optional[asyncio.Event] = None
