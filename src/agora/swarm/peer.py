@@ -39,27 +39,51 @@ def make_dht(
     announce_host: Optional[str] = None,
     identity: Optional[str] = None,
     client_mode: bool = False,
+    netns: Optional[str] = None,
 ) -> DHT:
     """Start this process's DHT node (hivemind runs it in a child process with its own libp2p daemon).
 
     ``host`` defaults to loopback for local runs; real swarms pass ``--host 0.0.0.0 --announce-host PUBLIC_IP``
     because hivemind otherwise announces an address nobody outside can dial.
+
+    ``netns``: fork the DHT process (and so its libp2p daemon) inside this named network namespace while the
+    calling process stays where it is (see :func:`agora.netem.entered`). The emulated-WAN demo uses it for
+    processes that must be reachable from the host (the dashboard's web page) or that read the swarm from outside
+    (the demo itself), yet must reach peers that only exist inside namespaces. ``host`` must then be the
+    namespace's address. The DHT object is built first, outside, so that hivemind's result-pipe thread (started
+    once per process by the first MPFuture) is not born inside the namespace.
     """
     kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity, client_mode=client_mode)
     if announce_host:
         if not port:
             raise JoinError("--announce-host needs a fixed --port: the announced address must name the port", 2)
         kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
+    if netns is None:
+        try:
+            return DHT(initial_peers=list(initial_peers), start=True, **kwargs)
+        except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
+            raise _join_error(initial_peers, err) from err
+    from agora.netem import entered
+
+    dht = DHT(initial_peers=list(initial_peers), start=False, **kwargs)
+    with entered(netns):  # a failure to enter is a setup error, not a join error: it propagates as is
+        dht.start()  # fork only: the child inherits this thread's namespace
     try:
-        return DHT(initial_peers=list(initial_peers), start=True, **kwargs)
-    except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
-        peers = ", ".join(initial_peers) or "(none)"
-        raise JoinError(
-            f"could not join the swarm through {peers}: {err}. Check that the address is a full multiaddr "
-            f"ending in /p2p/<peer id> (as printed by `agora bootstrap`), that the peer is running, and that its "
-            f"port is reachable from this machine (firewall / NAT).",
-            EXIT_UNREACHABLE,
-        ) from err
+        dht.wait_until_ready(timeout=120)
+    except Exception as err:
+        dht.shutdown()
+        raise _join_error(initial_peers, err) from err
+    return dht
+
+
+def _join_error(initial_peers: Sequence[str], err: Exception) -> JoinError:
+    peers = ", ".join(initial_peers) or "(none)"
+    return JoinError(
+        f"could not join the swarm through {peers}: {err}. Check that the address is a full multiaddr "
+        f"ending in /p2p/<peer id> (as printed by `agora bootstrap`), that the peer is running, and that its "
+        f"port is reachable from this machine (firewall / NAT).",
+        EXIT_UNREACHABLE,
+    )
 
 
 def visible_maddrs(dht: DHT) -> list[str]:
