@@ -126,12 +126,14 @@ def bench_efficiency(
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
     link_mbps: Optional[float] = typer.Option(None, help="also run capped-link swarms (dense vs subspace) at this rate"),
     capped_steps: Optional[int] = typer.Option(None, help="steps of each capped-link run (default: --steps)"),
+    link_backend: str = typer.Option("auto", help="capped runs: auto (namespaces + tc tbf when root, else the "
+                                                  "in-transport throttle), netns or transport"),
 ) -> None:
     """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
     from agora.bench.efficiency import run
 
     run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
-        link_mbps=link_mbps, capped_steps=capped_steps, log=console.print)
+        link_mbps=link_mbps, capped_steps=capped_steps, link_backend=link_backend, log=console.print)
 
 
 @bench_app.command("sentinel")
