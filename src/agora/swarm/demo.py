@@ -92,7 +92,9 @@ class LinkPlan:
         """``AGORA_LINK`` for every peer: the latency always (only the transport can add it here), the rate only
         when the kernel does not already cap it."""
         rate = self.mbps if self.backend == "transport" else None
-        parts = ([f"{rate:g}mbit"] if rate is not None else []) + ([f"{self.latency_ms:g}ms"] if self.latency_ms else [])
+        parts = [f"{rate:g}mbit"] if rate is not None else []
+        if self.latency_ms:
+            parts.append(f"{self.latency_ms:g}ms")
         return ",".join(parts) or None
 
     def describe(self) -> str:
@@ -104,7 +106,8 @@ class LinkPlan:
             if self.latency_ms:
                 what += f"; {self.latency_ms:g} ms latency injected in the transport (AGORA_LINK={self.agora_link})"
         else:
-            what = f"tensor RPCs throttled in each peer's transport (AGORA_LINK={self.agora_link}); DHT and averaging uncapped"
+            what = (f"tensor RPCs throttled in each peer's transport (AGORA_LINK={self.agora_link}); "
+                    f"DHT and averaging uncapped")
         return f"link emulation ({self.backend}): {what}. Why: {self.reason}"
 
     def as_dict(self) -> dict:
@@ -226,7 +229,8 @@ class Swarm:
     def free_slot(self) -> netem.NetnsPeer:
         """A namespace for a new peer: one whose previous peer is gone with every process it started (chaos
         replacements reuse their victims' slots, so a long chaos run stays within the /24), else a new one."""
-        assert self.topology is not None
+        if self.topology is None:
+            raise RuntimeError("free_slot needs a Swarm started with a topology")
         taken = {c.slot.index for c in self.children if c.slot is not None and c.alive}
         for c in self.children:
             if (c.slot is not None and not c.alive and c.slot.index not in taken
