@@ -173,3 +173,26 @@ def test_cleanup_stale_only_touches_dead_creators(monkeypatch):
     monkeypatch.setattr(netem, "_ip", fake_ip)
     assert netem.cleanup_stale() == ["agora-netem-999999999-0-hub"]
     assert deleted == ["agora-netem-999999999-0-hub"]
+
+
+def test_demo_link_plan_uses_namespaces_when_possible_and_says_why_not(monkeypatch):
+    """``agora demo --link-mbps``: the kernel cap when namespaces work (latency alone left to the transport, so the
+    rate is never throttled twice), else the in-transport throttle with the reason; forcing netns never falls back."""
+    from agora.swarm.demo import plan_links
+
+    monkeypatch.setattr(netem, "available", lambda refresh=False: (True, "ok"))
+    plan = plan_links(20, 30)
+    assert (plan.backend, plan.agora_link) == ("netns", "30ms")
+    assert plan_links(20).agora_link is None
+    assert plan_links(20, 30, "transport").agora_link == "20mbit,30ms"
+    assert plan_links(None, 30).backend == "transport" and plan_links(None, 30).agora_link == "30ms"
+    assert plan_links(None, 0).backend == "none"
+
+    monkeypatch.setattr(netem, "available", lambda refresh=False: (False, "needs root (network namespaces and tc)"))
+    plan = plan_links(20, 30)
+    assert (plan.backend, plan.agora_link) == ("transport", "20mbit,30ms")
+    assert "needs root" in plan.reason and "needs root" in plan.describe()
+    with pytest.raises(RuntimeError, match="needs root"):
+        plan_links(20, 30, "netns")
+    with pytest.raises(ValueError):
+        plan_links(20, 0, "carrier-pigeon")

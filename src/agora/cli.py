@@ -195,12 +195,14 @@ def bench_efficiency(
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
     link_mbps: Optional[float] = typer.Option(None, help="also run capped-link swarms (dense vs subspace) at this rate"),
     capped_steps: Optional[int] = typer.Option(None, help="steps of each capped-link run (default: --steps)"),
+    link_backend: str = typer.Option("auto", help="capped runs: auto (namespaces + tc tbf when root, else the "
+                                                  "in-transport throttle), netns or transport"),
 ) -> None:
     """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
     from agora.bench.efficiency import run
 
     run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
-        link_mbps=link_mbps, capped_steps=capped_steps, log=console.print)
+        link_mbps=link_mbps, capped_steps=capped_steps, link_backend=link_backend, log=console.print)
 
 
 @bench_app.command("sentinel")
@@ -368,19 +370,28 @@ def demo(
     checkpoint_every: int = typer.Option(0, help="nodes save every N optimizer steps (and always on leave)"),
     resume: Optional[Path] = typer.Option(None, help="nodes restore their stage from this checkpoint folder"),
     residual: Optional[str] = typer.Option(None, help="override the preset's residual mode: dense or subspace"),
-    link_mbps: Optional[float] = typer.Option(None, help="emulate each peer's uplink at this many Mbit/s"),
-    link_latency_ms: float = typer.Option(0.0, help="emulated one-way latency per message"),
+    link_mbps: Optional[float] = typer.Option(
+        None, help="emulate each peer's uplink at this many Mbit/s: as root with network namespaces, every peer in "
+                   "its own namespace capped by tc tbf (all traffic); otherwise throttled in the transport"),
+    link_latency_ms: float = typer.Option(0.0, help="emulated one-way latency per message (added in the transport)"),
+    link_backend: str = typer.Option("auto", help="auto, netns (fail if namespaces are unavailable) or transport"),
     allow_list: bool = typer.Option(False, help="invitation-only run: signed manifest, every peer with a certified key"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
-    from agora.swarm.demo import run_demo
+    from agora.swarm.demo import plan_links, run_demo
 
+    try:  # refuse a bad link setup with one line, before anything starts
+        plan_links(link_mbps, link_latency_ms, link_backend)
+    except (ValueError, RuntimeError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
     summary = run_demo(
         preset=preset, stages=stages, replicas=replicas, trainers=trainers, steps=steps, out=out,
         in_flight=in_flight, chaos=chaos, chaos_last=chaos_last, timeout=timeout, threads=threads,
         dashboard_port=dashboard_port if dashboard else None, live=not no_live,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-        residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms, allow_list=allow_list,
+        residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms, link_backend=link_backend,
+        allow_list=allow_list,
     )
     mb = summary["microbatches"]
     console.print(
@@ -401,6 +412,9 @@ def dashboard(
     port: int = typer.Option(8080, help="HTTP port of the page (0: any free port, printed on start)"),
     interval: float = typer.Option(1.5, min=0.2, help="seconds between DHT polls"),
     summary: Optional[str] = typer.Option(None, help="write the dashboard's history and events here on exit"),
+    dht_host: str = typer.Option("127.0.0.1", help="address of the DHT client (the namespace's with --dht-netns)"),
+    dht_netns: Optional[str] = typer.Option(None, help="run the DHT client in this network namespace (root; the "
+                                                        "page is still served from here). Used by `demo --link-mbps`"),
     log_level: str = LogOpt,
 ) -> None:
     """Live web dashboard: stages, peers, tokens/s, loss, verified contributions and events, at http://HOST:PORT/."""
@@ -409,7 +423,7 @@ def dashboard(
 
     setup_logging(log_level)
     m = _manifest(manifest)
-    raise typer.Exit(_join_errors(lambda: run_dashboard(m, initial_peers, host, port, interval, summary)))
+    raise typer.Exit(_join_errors(lambda: run_dashboard(m, initial_peers, host, port, interval, summary, dht_host, dht_netns)))
 
 
 def main() -> None:  # pragma: no cover - console entry

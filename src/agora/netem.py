@@ -26,14 +26,19 @@ namespaces, each with a veth ``eth0`` on the bridge and address ``10.231.0.<i+1>
 ``tc qdisc add dev eth0 root tbf rate <X>mbit burst <b> latency <q>ms``. Everything lives in namespaces this code
 creates (the root namespace is never touched: no bridge, no route, no address there), the /24 is only ever
 configured inside them, and they have no uplink, so nothing can reach any outside address. ``topo.popen(i, argv)``
-runs a process inside peer i (``ip netns exec``); exit kills those processes and deletes every namespace created,
-also when setup or the body raised. :func:`cleanup_stale` removes leftovers of a crashed process (by our naming
-pattern and a dead creator pid only). Requires root, ``ip`` and ``tc`` (iproute2); :func:`available` says.
+runs a process inside peer i (``ip netns exec``); ``topo.add_peer()`` adds one more peer to a running topology
+(the demo gives every process it starts its own). Exit kills every process still inside one of those namespaces
+and deletes them all, also when setup or the body raised. :func:`cleanup_stale` removes leftovers of a crashed
+process (by our naming pattern and a dead creator pid only). :func:`entered` moves the *calling thread* into a
+namespace for a moment, so that a process it forks (hivemind's DHT) lives there while the caller stays home.
+Requires root, ``ip`` and ``tc`` (iproute2); :func:`available` says.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import itertools
 import os
 import re
@@ -42,9 +47,10 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["LinkThrottle", "NetnsTopology", "NetnsPeer", "available", "cleanup_stale", "parse_link_spec"]
+__all__ = ["LinkThrottle", "NetnsTopology", "NetnsPeer", "available", "cleanup_stale", "entered", "parse_link_spec",
+           "pids_in"]
 
 # ------------------------------------------------------------------------------------------ in-process throttle
 
@@ -137,6 +143,8 @@ class LinkThrottle:
 # ------------------------------------------------------------------------------------------ namespace backend
 
 SUBNET = "10.231.0"  # a /24 used only inside namespaces created here
+NETNS_RUN_DIR = "/var/run/netns"  # where ``ip netns add`` bind-mounts named namespaces (iproute2's default)
+CLONE_NEWNET = 0x40000000
 _NAME = re.compile(r"^agora-netem-(?P<pid>\d+)-(?P<serial>\d+)-(?:hub|p\d+)$")
 _serial = itertools.count()
 _available: Optional[Tuple[bool, str]] = None
@@ -194,15 +202,97 @@ def available(refresh: bool = False) -> Tuple[bool, str]:
 
 
 def cleanup_stale() -> List[str]:
-    """Delete namespaces named by this module whose creating process is gone; returns the names removed."""
+    """Delete namespaces named by this module whose creating process is gone; returns the names removed.
+
+    Processes still running inside such a namespace are killed first: a creator killed with SIGKILL (no teardown)
+    leaves its peers running there, cut off from everything, and only our code ever starts processes in them.
+    """
     removed = []
     for name in list_namespaces():
         match = _NAME.match(name)
         if not match or _pid_alive(int(match["pid"])):
             continue
+        kill_inside(name)
         if _ip("netns", "del", name, check=False).returncode == 0:
             removed.append(name)
     return removed
+
+
+def _ns_id(path: str) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def pids_in(netns: str) -> List[int]:
+    """PIDs of processes whose (main thread's) network namespace is the named one, from /proc.
+
+    Read directly rather than with ``ip netns pids`` so that callers can poll it cheaply and tests can fake
+    namespaces without running ``ip``.
+    """
+    target = _ns_id(os.path.join(NETNS_RUN_DIR, netns))
+    if target is None:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _ns_id(f"/proc/{entry}/ns/net") == target:
+            found.append(int(entry))
+    return found
+
+
+def kill_inside(netns: str, timeout: float = 5.0) -> List[int]:
+    """SIGKILL every process inside ``netns`` (never this process) and wait up to ``timeout`` s until they are
+    gone; returns the PIDs that were signalled. Only for namespaces this module created."""
+    if not _NAME.match(netns):
+        raise ValueError(f"refusing to kill processes in a namespace this module did not name: {netns!r}")
+    victims = [pid for pid in pids_in(netns) if pid != os.getpid()]
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, 9)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid != os.getpid() for pid in pids_in(netns)):
+        time.sleep(0.05)
+    return victims
+
+
+_libc: Optional[ctypes.CDLL] = None
+
+
+def _setns(fd: int) -> None:
+    """setns(2) for the calling thread (Python 3.11 has no ``os.setns``)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def entered(netns: str) -> Iterator[None]:
+    """Run the body with the *calling thread* in network namespace ``netns``, then move it back.
+
+    Why per thread and only for a moment: setns(2) changes the namespace of one thread, and a process forked by
+    that thread is born in it. A caller that needs one helper process inside a namespace (hivemind's DHT, which
+    forks its own process and libp2p daemon) forks it in here and keeps every other thread, sockets it opens
+    later included, in its own namespace. Threads started inside the body would stay in ``netns`` for life, so the
+    body should only fork.
+    """
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(os.path.join(NETNS_RUN_DIR, netns), os.O_RDONLY)
+        try:
+            _setns(target)
+            try:
+                yield
+            finally:
+                _setns(home)
+        finally:
+            os.close(target)
+    finally:
+        os.close(home)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -226,30 +316,35 @@ class NetnsPeer:
 class NetnsTopology:
     """N peer namespaces on a bridge (in a hub namespace), each peer's egress capped with ``tc tbf``.
 
-    :param n: number of peers (at most 250)
+    :param n: number of peers to create on entry (at most 250 in all; :meth:`add_peer` adds more later)
     :param mbps: egress cap of every peer in Mbit/s (None: uncapped)
     :param burst_bytes: tbf bucket size; a transfer of B bytes takes at least ``(B - burst)*8/X`` seconds
       (the bucket starts full). Must hold at least one packet: >= 2 KiB, 16 KiB is safe at any rate.
     :param queue_ms: tbf ``latency``: how long a packet may queue before being dropped (not a delay!)
     """
 
+    MAX_PEERS = 250
+
     def __init__(self, n: int, *, mbps: Optional[float] = None, burst_bytes: int = 16384, queue_ms: float = 50.0):
-        if not 1 <= n <= 250:
-            raise ValueError(f"n must be in 1..250, got {n}")
+        if not 0 <= n <= self.MAX_PEERS:
+            raise ValueError(f"n must be in 0..{self.MAX_PEERS}, got {n}")
         if mbps is not None and mbps <= 0:
             raise ValueError(f"mbps must be positive or None, got {mbps}")
         if burst_bytes < 2048:
             raise ValueError("burst_bytes must hold at least one full packet (>= 2048)")
         self.n, self.mbps, self.burst_bytes, self.queue_ms = n, mbps, burst_bytes, queue_ms
-        base = f"agora-netem-{os.getpid()}-{next(_serial)}"
-        self.hub = f"{base}-hub"
-        self.peers = [NetnsPeer(i, f"{base}-p{i}", f"{SUBNET}.{i + 1}") for i in range(n)]
+        self._base = f"agora-netem-{os.getpid()}-{next(_serial)}"
+        self.hub = f"{self._base}-hub"
+        self.peers: List[NetnsPeer] = []
         self.created: List[str] = []
         self._procs: List[subprocess.Popen] = []
+        self._hub_ready = False
 
     @property
     def namespaces(self) -> List[str]:
-        return [self.hub] + [p.netns for p in self.peers]
+        """Every namespace this topology has (hub first), created or about to be created on entry."""
+        peers = [p.netns for p in self.peers] or [f"{self._base}-p{i}" for i in range(self.n)]
+        return [self.hub] + peers
 
     def __enter__(self) -> "NetnsTopology":
         ok, reason = available()
@@ -274,17 +369,33 @@ class NetnsTopology:
         self._add_namespace(self.hub)
         _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.hub, "link", "set", "br0", "up")
-        for peer in self.peers:
-            self._add_namespace(peer.netns)
-            port = f"v{peer.index}"
-            # Both ends are created in namespaces we own; the root namespace never sees them.
-            _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", peer.device, "netns", peer.netns)
-            _ip("-n", self.hub, "link", "set", port, "master", "br0")
-            _ip("-n", self.hub, "link", "set", port, "up")
-            _ip("-n", peer.netns, "addr", "add", f"{peer.address}/24", "dev", peer.device)
-            _ip("-n", peer.netns, "link", "set", peer.device, "up")
-            if self.mbps is not None:
-                self.set_rate(peer.index, self.mbps, add=True)
+        self._hub_ready = True
+        for _ in range(self.n):
+            self.add_peer()
+
+    def add_peer(self) -> NetnsPeer:
+        """Create one more peer namespace on the bridge (capped at ``mbps``) and return it.
+
+        Any failure half-way leaves the namespace in ``created``, so teardown still removes it.
+        """
+        if not self._hub_ready:
+            raise RuntimeError("add_peer needs an entered topology (use `with NetnsTopology(...)`)")
+        index = len(self.peers)
+        if index >= self.MAX_PEERS:
+            raise RuntimeError(f"a topology holds at most {self.MAX_PEERS} peers")
+        peer = NetnsPeer(index, f"{self._base}-p{index}", f"{SUBNET}.{index + 1}")
+        self._add_namespace(peer.netns)
+        self.peers.append(peer)
+        port = f"v{peer.index}"
+        # Both ends are created in namespaces we own; the root namespace never sees them.
+        _ip("-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", peer.device, "netns", peer.netns)
+        _ip("-n", self.hub, "link", "set", port, "master", "br0")
+        _ip("-n", self.hub, "link", "set", port, "up")
+        _ip("-n", peer.netns, "addr", "add", f"{peer.address}/24", "dev", peer.device)
+        _ip("-n", peer.netns, "link", "set", peer.device, "up")
+        if self.mbps is not None:
+            self.set_rate(peer.index, self.mbps, add=True)
+        return peer
 
     def set_rate(self, index: int, mbps: float, *, add: bool = False) -> None:
         """(Re)cap peer ``index``'s egress at ``mbps``."""
@@ -307,7 +418,13 @@ class NetnsTopology:
         return subprocess.run(self.exec_argv(index, argv), timeout=timeout, **kwargs)
 
     def teardown(self) -> None:
-        """Kill our processes, delete every namespace we created (the bridge and veths go with them)."""
+        """Kill our processes, delete every namespace we created (the bridge and veths go with them).
+
+        Besides the processes started with :meth:`popen`, anything else still running inside one of our namespaces
+        is killed too (callers may start processes there with :meth:`exec_argv`, and those may have forked
+        helpers): ``ip netns del`` only removes the name, and a namespace with a process left inside lives on.
+        """
+        self._hub_ready = False
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -318,6 +435,8 @@ class NetnsTopology:
                 proc.kill()
                 proc.wait(timeout=5)
         self._procs.clear()
+        for name in self.created:
+            kill_inside(name)
         errors: Dict[str, str] = {}
         for name in reversed(self.created):
             result = _ip("netns", "del", name, check=False)

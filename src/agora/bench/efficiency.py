@@ -6,8 +6,11 @@ Same manifest, data and token budget:
 Reported: tokens per pooled CPU-second (every process of the swarm counted, hivemind's DHT/averager processes and
 libp2p daemons included), their ratio, wall-clock tokens/s, and validation loss at equal tokens.
 
-With ``link_mbps``, the swarm runs again with every peer's uplink capped (in-transport throttle), once with
-subspace and once with dense boundaries, to show what compression does to throughput on slow links.
+With ``link_mbps``, the swarm runs again with every peer's uplink capped, once with subspace and once with dense
+boundaries, to show what compression does to throughput on slow links. The cap is kernel-enforced (each peer in its
+own network namespace, ``tc tbf``, hivemind's DHT and averaging traffic capped too) when running as root with
+namespaces, else the in-transport throttle (tensor RPCs only); ``link_backend`` can force either, and the JSON
+records which one ran and why, since the two are not the same experiment.
 
 All runs share the machine's cores, so the pooled CPU-second ratio is the fair efficiency figure; wall-clock
 numbers are reported too but depend on how many processes compete for two cores.
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
-from agora.swarm.demo import demo_manifest, run_demo
+from agora.swarm.demo import demo_manifest, plan_links, run_demo
 from agora.train_local import train_local
 
 
@@ -33,9 +36,11 @@ def run(
     in_flight: int = 4,
     link_mbps: Optional[float] = None,
     capped_steps: Optional[int] = None,
+    link_backend: str = "auto",
     log: Callable[[str], None] = print,
 ) -> dict:
     out = Path(out)
+    plan = plan_links(link_mbps, 0.0, link_backend) if link_mbps is not None else None  # fail before any run
     manifest = demo_manifest(preset, stages)
     cores = os.cpu_count() or 1
     log(f"[efficiency] centralized: {preset}, {steps} steps, {cores} threads")
@@ -64,17 +69,23 @@ def run(
     if link_mbps is not None:
         capped = {}
         for residual in ("subspace", "dense"):
-            log(f"[efficiency] swarm, {residual} boundaries, links capped at {link_mbps:g} Mbit/s")
+            log(f"[efficiency] swarm, {residual} boundaries, links capped at {link_mbps:g} Mbit/s ({plan.backend})")
             run_ = run_demo(preset=preset, stages=stages, replicas=replicas, steps=capped_steps or steps,
                             out=out / f"swarm-{residual}-{link_mbps:g}mbit", in_flight=in_flight, live=False,
-                            timeout=3600, residual=residual, link_mbps=link_mbps)
+                            timeout=3600, residual=residual, link_mbps=link_mbps, link_backend=plan.backend,
+                            val_batches=0)  # throughput only; a slow dense validation would outlast the stop window
             capped[residual] = {"tokens_per_s": run_["tokens_per_s"], "tokens": run_["tokens"],
                                 "wall_s": run_["wall_s"], "finished": run_["finished"],
-                                "vs_uncapped_swarm": run_["tokens_per_s"] / swarm["tokens_per_s"]}
-        result["capped"] = {"link_mbps": link_mbps, **capped}
+                                "bytes_per_boundary": run_["bytes_per_boundary"],
+                                "vs_uncapped_swarm": run_["tokens_per_s"] / swarm["tokens_per_s"],
+                                "link_backend": run_["link"]["backend"],
+                                "rounds_ok": run_["rounds_ok"], "rounds_failed": run_["rounds_failed"]}
+        result["capped"] = {"link_mbps": link_mbps, "link_backend": plan.backend, "link_backend_reason": plan.reason,
+                            **capped}
         md += "\n" + markdown_table(
-            ["boundaries", "link", "tokens/s", "vs uncapped swarm"],
-            [[k, f"{link_mbps:g} Mbit/s", v["tokens_per_s"], f"{v['vs_uncapped_swarm']:.3f}"] for k, v in capped.items()],
+            ["boundaries", "link", "backend", "tokens/s", "vs uncapped swarm"],
+            [[k, f"{link_mbps:g} Mbit/s", v["link_backend"], v["tokens_per_s"], f"{v['vs_uncapped_swarm']:.3f}"]
+             for k, v in capped.items()],
         ) + "\n"
     write_result(out, "efficiency", result, md)
     log(md)

@@ -231,12 +231,17 @@ async def poll_forever(state: DashboardState, fetch: Callable[[], dict], interva
 
 
 def run_dashboard(manifest, initial_peers: Sequence[str], host: str = "127.0.0.1", port: int = 8080,
-                  interval: float = 1.5, summary: Optional[str] = None) -> int:
-    """Join the DHT as a client, serve the dashboard until SIGTERM/SIGINT, then leave cleanly (exit code 0)."""
+                  interval: float = 1.5, summary: Optional[str] = None, dht_host: str = "127.0.0.1",
+                  dht_netns: Optional[str] = None) -> int:
+    """Join the DHT as a client, serve the dashboard until SIGTERM/SIGINT, then leave cleanly (exit code 0).
+
+    ``dht_host``/``dht_netns``: where the DHT client lives (see ``make_dht``). The web page is served from this
+    process's own namespace, so a swarm emulated in network namespaces stays watchable from the host.
+    """
     from agora.swarm.peer import install_stop_signals, make_dht
     from agora.swarm.status import swarm_status
 
-    dht = make_dht(initial_peers, client_mode=True, manifest=manifest, writes=False)
+    dht = make_dht(initial_peers, host=dht_host, client_mode=True, netns=dht_netns, manifest=manifest, writes=False)
     state = DashboardState(layout=manifest.stages)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dashboard-dht")
 

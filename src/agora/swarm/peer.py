@@ -43,6 +43,7 @@ def make_dht(
     manifest: Optional[Manifest] = None,
     certificate: Optional[str] = None,
     writes: bool = True,
+    netns: Optional[str] = None,
 ) -> DHT:
     """Start this process's DHT node (hivemind runs it in a child process with its own libp2p daemon).
 
@@ -54,47 +55,75 @@ def make_dht(
     only certified keys can write. Every peer of a run, readers included, needs them: signed values carry their
     signature, which only the validators strip. ``certificate`` is the authority's certificate file for
     ``identity``; ``writes=False`` marks a read-only client (no certificate needed).
+
+    ``netns``: fork the DHT process (and so its libp2p daemon) inside this named network namespace while the
+    calling process stays where it is (see :func:`agora.netem.entered`). The emulated-WAN demo uses it for
+    processes that must be reachable from the host (the dashboard's web page) or that read the swarm from outside
+    (the demo itself), yet must reach peers that only exist inside namespaces. ``host`` must then be the
+    namespace's address. The DHT object is built first, outside, so that hivemind's result-pipe thread (started
+    once per process by the first MPFuture) is not born inside the namespace.
     """
     if announce_host and not port:
         raise JoinError("--announce-host needs a fixed --port: the announced address must name the port", 2)
     creds = None
-    validators = None
     if manifest is not None:
-        from agora.swarm.credentials import CredentialError, load_credentials, record_validators
+        from agora.swarm.credentials import CredentialError, load_credentials
 
         try:
             creds = load_credentials(manifest, identity, certificate, writes=writes)
         except CredentialError as err:
             raise JoinError(str(err), EXIT_CREDENTIALS) from None
-        identity = creds.identity_path
-        validators = record_validators(manifest, creds)
-    kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity, client_mode=client_mode)
-    if validators is not None:
-        kwargs["record_validators"] = validators
-    if creds is not None and creds.ephemeral_dir:
-        kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's; skip the ~1 s probe
-    if announce_host:
-        kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
     try:
-        dht = DHT(initial_peers=list(initial_peers), start=True, **kwargs)
-    except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
-        peers = ", ".join(initial_peers) or "(none)"
-        raise JoinError(
-            f"could not join the swarm through {peers}: {err}. Check that the address is a full multiaddr "
-            f"ending in /p2p/<peer id> (as printed by `agora bootstrap`), that the peer is running, and that its "
-            f"port is reachable from this machine (firewall / NAT).",
-            EXIT_UNREACHABLE,
-        ) from err
+        dht = _start_dht(initial_peers, host, port, announce_host, identity, client_mode, manifest, creds, netns)
     finally:
         if creds is not None:
             creds.discard_ephemeral()  # the daemon has read it; an ephemeral key never outlives the process
     if creds is not None:
         if str(dht.peer_id) != creds.peer_id:  # records would name a peer id the key cannot sign for
             dht.shutdown()
-            raise JoinError(f"identity {identity}: the DHT came up as {dht.peer_id}, not as the key's peer id "
-                            f"{creds.peer_id}", EXIT_CREDENTIALS)
+            raise JoinError(f"identity {creds.identity_path}: the DHT came up as {dht.peer_id}, not as the key's "
+                            f"peer id {creds.peer_id}", EXIT_CREDENTIALS)
         bind_owner_key(dht, creds.key)
     return dht
+
+
+def _start_dht(initial_peers, host, port, announce_host, identity, client_mode, manifest, creds, netns) -> DHT:
+    kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity, client_mode=client_mode)
+    if creds is not None:
+        from agora.swarm.credentials import record_validators
+
+        kwargs["identity_path"] = creds.identity_path
+        kwargs["record_validators"] = record_validators(manifest, creds)
+        if creds.ephemeral_dir:
+            kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's; skip the probe
+    if announce_host:
+        kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
+    if netns is None:
+        try:
+            return DHT(initial_peers=list(initial_peers), start=True, **kwargs)
+        except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
+            raise _join_error(initial_peers, err) from err
+    from agora.netem import entered
+
+    dht = DHT(initial_peers=list(initial_peers), start=False, **kwargs)
+    with entered(netns):  # a failure to enter is a setup error, not a join error: it propagates as is
+        dht.start()  # fork only: the child inherits this thread's namespace
+    try:
+        dht.wait_until_ready(timeout=120)
+    except Exception as err:
+        dht.shutdown()
+        raise _join_error(initial_peers, err) from err
+    return dht
+
+
+def _join_error(initial_peers: Sequence[str], err: Exception) -> JoinError:
+    peers = ", ".join(initial_peers) or "(none)"
+    return JoinError(
+        f"could not join the swarm through {peers}: {err}. Check that the address is a full multiaddr "
+        f"ending in /p2p/<peer id> (as printed by `agora bootstrap`), that the peer is running, and that its "
+        f"port is reachable from this machine (firewall / NAT).",
+        EXIT_UNREACHABLE,
+    )
 
 
 def visible_maddrs(dht: DHT) -> list[str]:

@@ -101,7 +101,8 @@ __all__ = [
 WIRE_VERSION = 1
 
 # One emulated link per process (= per peer), shared by every stream it sends: ``AGORA_LINK=80mbit,50ms``. Unset in
-# normal runs. It caps only our tensor RPCs, not hivemind's DHT or averaging traffic (those are small here).
+# normal runs. It caps only our tensor RPCs, not hivemind's DHT or averaging traffic; ``demo --link-mbps`` as root
+# caps those in the kernel instead (namespaces + tc tbf) and sets only the latency here (e.g. ``AGORA_LINK=50ms``).
 _LINK = LinkThrottle.from_env()
 DEFAULT_CHUNK_SIZE_BYTES = 2**20  # 1 MiB: well below p2pd's 4 MiB message limit, large enough to amortize framing
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 2**20  # total tensor bytes of one message; both sides enforce it
