@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from hivemind.averaging import DecentralizedAverager
 
+from agora.compression.powersgd import PowerSGD
 from agora.swarm import transport
+from agora.swarm.allreduce import CountingCompression, PowerSGDAverager
 from agora.swarm.records import PeerState, StageRecord, read_bans, read_stage
 from agora.swarm.transport import RpcError
 
@@ -60,10 +62,9 @@ class ReplicaSync:
         m = node.manifest
         self.target = m.batch.target_batch_size
         self.prefix = f"{m.run_id}_s{node.stage_index}_{m.hash}_grads"  # no dots: hivemind splits keys on '.'
-        self.buffers = [torch.zeros_like(p, dtype=torch.float64) for p in node.stage.parameters()]
-        self.averager = DecentralizedAverager(
-            self.buffers,
-            node.dht,
+        self.scheme = m.averaging.scheme
+        self.compression = CountingCompression()  # measures the all-reduce bytes this replica sends
+        settings = dict(
             start=True,
             prefix=self.prefix,
             min_group_size=2,
@@ -73,7 +74,25 @@ class ReplicaSync:
             next_chunk_timeout=5.0,
             allow_state_sharing=False,
             shutdown_timeout=2,
+            compression=self.compression,
         )
+        params = list(node.stage.parameters())
+        self.psgd: Optional[PowerSGD] = None
+        if self.scheme == "powersgd":
+            a = m.averaging
+            self.psgd = PowerSGD([p.shape for p in params], a.rank, run_id=m.run_id, stage=node.stage_index,
+                                 warm_start=a.warm_start)
+            f64 = torch.float64
+            phase1 = [torch.zeros(s, dtype=f64) for s in [*self.psgd.p_shapes(), *self.psgd.passthrough_shapes()]]
+            qs = [torch.zeros(s, dtype=f64) for s in self.psgd.q_shapes()]
+            matrices = [torch.zeros(ps[0], qs_[0], dtype=f64)
+                        for ps, qs_ in zip(self.psgd.p_shapes(), self.psgd.q_shapes())]
+            self.averager = PowerSGDAverager(phase1, qs, matrices, node.dht, **settings)
+        else:
+            self.buffers = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+            self.averager = DecentralizedAverager(self.buffers, node.dht, **settings)
+        self._compressed_step: Optional[int] = None  # step whose PowerSGD payload is built and not yet resolved
+        self.round_bytes: list[int] = []  # all-reduce payload bytes this replica sent, per successful round
         self.fingerprint = parameter_fingerprint(node.stage)
         self.fingerprint_step = node.step  # the step ``fingerprint`` was computed at (records carry it only then)
         self.lock = asyncio.Lock()  # held for a whole tick: a stage move waits for it, so never stops a round midway
@@ -123,6 +142,8 @@ class ReplicaSync:
 
         def load() -> None:
             n.import_state(reply["step"], reply["names"], tensors, keep_grads=keep_grads)
+            if self.psgd is not None:
+                self.psgd.reset()  # the error buffer belongs to the trajectory we just left
             self._set_fingerprint()
 
         try:
@@ -247,14 +268,67 @@ class ReplicaSync:
         recs = await self.replicas()
         return any(r.state == PeerState.SERVING.value and (r.step == step or r.averaging_step == step) for r in recs)
 
+    @property
+    def bytes_sent(self) -> int:
+        """All-reduce payload bytes this replica sent to the other members of its rounds, so far."""
+        return self.compression.bytes_sent
+
+    def _load_buffers(self, grads: list[torch.Tensor], step: int) -> None:
+        """Compute thread: put this round's payload into the averager's buffers.
+
+        ``full``: the gradients. ``powersgd``: ``P = (G + E) Q`` and the passthrough gradients for phase 1, and
+        ``M = G + E`` for the averager to compute phase 2's ``Q`` from.
+        """
+        if self.psgd is None:
+            with self.averager.get_tensors() as bufs:
+                for b, g in zip(bufs, grads):
+                    b.copy_(g)
+            return
+        ps = self.psgd.compress_p(grads, step)
+        self._compressed_step = step
+        payload = [*ps, *self.psgd.passthrough_tensors(grads)]
+        with self.averager.get_tensors() as bufs:
+            for b, t in zip(bufs, payload):
+                b.copy_(t)
+            for b, mat in zip(self.averager.matrices, self.psgd.matrices()):
+                b.copy_(mat)
+
+    def _averaged(self) -> list[torch.Tensor]:
+        """Compute thread, after a successful round: the averaged update, one tensor per parameter."""
+        with self.averager.get_tensors() as bufs:
+            if self.psgd is None:
+                return [b.clone() for b in bufs]
+            k, n1 = len(self.psgd.compressed), self.averager.n_phase1
+            p_hat, passthrough, q_avg = [b.clone() for b in bufs[:k]], [b.clone() for b in bufs[k:n1]], \
+                [b.clone() for b in bufs[n1:]]
+        self._compressed_step = None
+        return self.psgd.assemble(self.psgd.decompress(p_hat, q_avg), passthrough)
+
+    def _not_averaged(self, grads: list[torch.Tensor], alone: bool) -> list[torch.Tensor]:
+        """Compute thread: what to apply when no round result exists.
+
+        ``full``: our own gradients (as a lone replica would). ``powersgd`` alone: ``G + E`` (the error buffer is
+        flushed: there is no group to compress for). ``powersgd`` after a failed round: a zero update, the whole
+        ``G + E`` staying in the error buffer for the next round. Why not our own gradient here: it would be
+        applied now *and* again through the error buffer; and replicas whose round failed together take the same
+        zero-gradient step, so they stay identical and need no state download.
+        """
+        if self.psgd is None:
+            return grads
+        compressed, self._compressed_step = self._compressed_step, None
+        if alone:
+            return self.psgd.flush(grads)
+        if compressed is None:  # the round failed before its payload was built: build M = G + E to keep it
+            self.psgd.compress_p(grads, self.node.step)
+        self.psgd.abort()
+        return [torch.zeros_like(g) for g in grads]
+
     async def _average(self, samples: int, grads: list[torch.Tensor]) -> Optional[dict]:
-        """One all-reduce of ``grads`` with the replicas at our step; None if it failed or was given up."""
+        """One averaging round with the replicas at our step; None if it failed or was given up."""
         n = self.node
         step = n.step
         timeout = n.opts.averaging_timeout_s
-        with self.averager.get_tensors() as bufs:
-            for b, g in zip(bufs, grads):
-                b.copy_(g)
+        await n.run_compute(self._load_buffers, grads, step)
         control = await n.run_io(
             lambda: self.averager.step(
                 weight=max(float(samples), ZERO_SAMPLE_WEIGHT), gather={"step": step, "samples": samples},
@@ -304,9 +378,13 @@ class ReplicaSync:
         group = 1
         if n_others > 0:
             self.averaging_step = n.step
-            await n.announce()  # tells replicas to join now, instead of when their own counts catch up
+            sent_before = self.bytes_sent
             try:
+                await n.announce()  # tells replicas to join now, instead of when their own counts catch up
                 result = await self._average(samples, grads)
+            except Exception as err:  # e.g. the DHT failed the announce: a failed round, handled below
+                logger.warning(f"stage {n.stage_index}: averaging round raised {err!r}")
+                result = None
             finally:
                 self.averaging_step = -1
             if result is not None and {str(p) for p in result} & self._banned:
@@ -328,14 +406,15 @@ class ReplicaSync:
                 steps = {g.get("step") for g in result.values() if isinstance(g, dict)}
                 if len(steps) > 1:
                     logger.warning(f"stage {n.stage_index}: averaged with replicas at steps {sorted(steps)}")
-                with self.averager.get_tensors() as bufs:
-                    averaged = [b.clone() for b in bufs]
+                averaged = await n.run_compute(self._averaged)
                 self.rounds_ok += 1
+                self.round_bytes.append(self.bytes_sent - sent_before)
+                del self.round_bytes[:-100]
             else:
                 self.rounds_failed += 1
                 logger.warning(f"stage {n.stage_index}: all-reduce with {n_others} replicas failed; stepping locally")
         if averaged is None:
-            averaged = grads
+            averaged = await n.run_compute(self._not_averaged, grads, n_others == 0)
             self.local_steps += 1
 
         def step() -> None:
