@@ -195,12 +195,14 @@ def bench_efficiency(
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
     link_mbps: Optional[float] = typer.Option(None, help="also run capped-link swarms (dense vs subspace) at this rate"),
     capped_steps: Optional[int] = typer.Option(None, help="steps of each capped-link run (default: --steps)"),
+    averaging: Optional[str] = typer.Option(None, help="replica averaging scheme of the swarm runs: full, powersgd "
+                                                       "or sparse (default: the preset's)"),
 ) -> None:
     """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
     from agora.bench.efficiency import run
 
     run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
-        link_mbps=link_mbps, capped_steps=capped_steps, log=console.print)
+        link_mbps=link_mbps, capped_steps=capped_steps, averaging=averaging, log=console.print)
 
 
 @bench_app.command("sentinel")
@@ -370,6 +372,7 @@ def demo(
     residual: Optional[str] = typer.Option(None, help="override the preset's residual mode: dense or subspace"),
     link_mbps: Optional[float] = typer.Option(None, help="emulate each peer's uplink at this many Mbit/s"),
     link_latency_ms: float = typer.Option(0.0, help="emulated one-way latency per message"),
+    averaging: Optional[str] = typer.Option(None, help="replica averaging scheme: full, powersgd or sparse"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.swarm.demo import run_demo
@@ -379,7 +382,7 @@ def demo(
         in_flight=in_flight, chaos=chaos, chaos_last=chaos_last, timeout=timeout, threads=threads,
         dashboard_port=dashboard_port if dashboard else None, live=not no_live,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-        residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms,
+        residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms, averaging=averaging,
     )
     mb = summary["microbatches"]
     console.print(

@@ -43,9 +43,13 @@ def even_split(n_layers: int, n_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
-def demo_manifest(preset: str, stages: int, residual: Optional[str] = None) -> Manifest:
-    """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries)."""
+def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
+                  averaging: Optional[str] = None) -> Manifest:
+    """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries);
+    ``averaging`` picks the replicas' averaging scheme (``full``, ``powersgd``, ``sparse``; manifest defaults)."""
     m = load_manifest(preset)
+    if averaging is not None and averaging != m.averaging.scheme:
+        m = m.with_overrides(**{"averaging": {"scheme": averaging}})
     if stages != m.n_stages:
         m = m.with_overrides(stages=even_split(m.model.n_layers, stages))
     if residual == "dense":
@@ -232,6 +236,7 @@ def run_demo(
     residual: Optional[str] = None,
     link_mbps: Optional[float] = None,
     link_latency_ms: float = 0.0,
+    averaging: Optional[str] = None,
 ) -> dict:
     """Run a local swarm until every stage took ``steps`` steps, or the trainers reached ``tokens`` tokens, or
     ``train_seconds`` of training passed (whichever comes first); ``timeout`` (from the start) is a failure.
@@ -247,7 +252,7 @@ def run_demo(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = demo_manifest(preset, stages, residual)
+    manifest = demo_manifest(preset, stages, residual, averaging)
     manifest_path = out / "manifest.yaml"
     manifest_path.write_text(manifest.to_yaml())
     extra = list(node_args or [])
@@ -514,6 +519,8 @@ def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replica
         "staleness_max_per_stage": stale_max,
         "rounds_ok": sum(s.get("rounds_ok", 0) for _, s in nodes),
         "rounds_failed": sum(s.get("rounds_failed", 0) for _, s in nodes),
+        "averaging_scheme": manifest.averaging.scheme,
+        "averaging_bytes_sent": sum(s.get("averaging_bytes_sent", 0) for _, s in nodes),
         "chaos_kills": kills,
         "timeline": timeline,
         "completions": _completions(trainers, t0),
