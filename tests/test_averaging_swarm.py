@@ -111,3 +111,115 @@ def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
     assert psgd_rounds[0] * 4 < full_rounds[0], (psgd_rounds, full_rounds)
     print(f"all-reduce bytes per round (both replicas): full {full_rounds[0]}, powersgd rank 2 {psgd_rounds[0]} "
           f"({full_rounds[0] / psgd_rounds[0]:.1f}x less); powersgd run {psgd_s:.0f}s, losses {losses}")
+
+
+# ------------------------------------------------------------------------------------------------ sparse (SPARTA)
+
+SPARSE = BASE.with_overrides(**{"averaging": {"scheme": "sparse", "rho": 0.5, "every": 2}})
+
+
+def _feed(node, seed: int, samples: int = 8) -> None:
+    """Compute thread: what backwards of ``samples`` sequences leave behind (a seeded fake gradient)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in node.stage.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 0.1
+    node.samples += samples
+    node.last_sample_time = time.monotonic()
+
+
+def _state(node) -> dict:
+    out = {}
+    for name, p in node.stage.named_parameters():
+        st = node.optimizer.state[p]
+        out[name] = [p.detach().reshape(-1).clone(), st["exp_avg"].reshape(-1).clone(),
+                     st["exp_avg_sq"].reshape(-1).clone()]
+    return out
+
+
+def _assert_slice_averaged(a, b, part):
+    """On ``part`` the replicas agree (the round wrote the same average on both); elsewhere they still differ."""
+    sa, sb = _state(a), _state(b)
+    for name in sa:
+        idx = a.sync.sparse.partition.indices(name, part)
+        rest = torch.ones(sa[name][0].numel(), dtype=torch.bool)
+        rest[idx] = False
+        for kind, (ta, tb) in enumerate(zip(sa[name], sb[name])):
+            torch.testing.assert_close(ta[idx], tb[idx], rtol=1e-6, atol=0, msg=f"{name}[{kind}] on the slice")
+            if kind < 2 and rest.any():  # (v of a parameter can coincide where both gradients were tiny)
+                assert not torch.equal(ta[rest], tb[rest]), f"{name}[{kind}] off the slice should still differ"
+
+
+def test_sparse_replicas_step_alone_and_average_a_seeded_slice_in_the_background():
+    async def main():
+        async with local_swarm(SPARSE, [0, 0], OPTS) as (boot, peers, nodes):
+            a, b = nodes
+            await _wait(lambda: a.sync.scheme == b.sync.scheme == "sparse", 1, "sparse scheme")
+            seen = {}
+
+            async def both_see_each_other():
+                for x in nodes:
+                    seen[x.peer_id] = len(await x.sync.replicas())
+
+            deadline = time.monotonic() + 30
+            while min(seen.values(), default=0) < 1:
+                assert time.monotonic() < deadline, "replicas never saw each other"
+                await both_see_each_other()
+                await asyncio.sleep(0.2)
+            for step in (1, 2):  # each replica steps on its own gradient once it holds half the batch
+                for i, x in enumerate(nodes):
+                    await x.run_compute(_feed, x, 10 * step + i)
+                await _wait(lambda: a.step == b.step == step, 20, f"step {step}")
+            # Step 2 = H: a background round averages partition class (2 // H) % N = 1 of params, m and v.
+            await _wait(lambda: a.sync.rounds_ok == b.sync.rounds_ok == 1, 30, "the first SPARTA round")
+            _assert_slice_averaged(a, b, part=1)
+            assert a.step == b.step == 2 and a.sync.local_steps == b.sync.local_steps == 2
+
+            # A replica one step ahead is legitimate here: nobody downloads anybody's state, nobody waits for it.
+            await a.run_compute(_feed, a, 99)
+            await _wait(lambda: a.step == 3, 20, "a's lone step")
+            await asyncio.sleep(2.0)
+            assert b.step == 2 and a.sync.resyncs == b.sync.resyncs == 0
+            await b.run_compute(_feed, b, 98)
+            await _wait(lambda: b.step == 3, 20, "b's step")
+            for i, x in enumerate(nodes):
+                await x.run_compute(_feed, x, 40 + i)
+            await _wait(lambda: a.sync.rounds_ok == b.sync.rounds_ok == 2, 30, "the second SPARTA round")
+            _assert_slice_averaged(a, b, part=0)
+            assert a.sync.resyncs == b.sync.resyncs == 0 and a.sync.rounds_failed == b.sync.rounds_failed == 0
+            return a, b
+
+    a, b = asyncio.run(main())
+    # Measured on the wire: per round the two replicas together send the payload once, 3 x (1/N) of the state.
+    payload = 8 * a.sync.sparse.payload_numel()
+    assert [x + y for x, y in zip(a.sync.round_bytes, b.sync.round_bytes)] == [payload, payload]
+    elements = sum(p.numel() for p in a.stage.parameters())
+    assert payload < 8 * 3 * elements * 0.51
+
+
+def test_sparse_swarm_learns_without_state_downloads():
+    opts = NodeOptions(stall_step_s=1.0, averaging_timeout_s=10.0)
+
+    async def main():
+        async with local_swarm(SPARSE, [0, 0, 1], opts) as (boot, peers, nodes):
+            trainer = Trainer(SPARSE, boot, shard=None)
+            await trainer.start()
+            await _wait(lambda: len(trainer.swarm[0]) == 2 and len(trainer.swarm[1]) == 1, 30, "all peers")
+            data = _batches(SPARSE, 4)
+            losses = [await trainer.evaluate(data[:2])]
+            for wave in range(6):
+                sent = await asyncio.gather(*(trainer.send(x) for x in data))
+                assert all(x is not None for x in sent), sent
+                await _wait(lambda: all(n.samples == 0 for n in nodes), 30, f"wave {wave} stepped")
+            heads = [n for n in nodes if n.stage_index == 0]
+            await _wait(lambda: all(h.sync._sparse_task is None or h.sync._sparse_task.done() for h in heads), 30,
+                        "background rounds to finish")
+            losses.append(await trainer.evaluate(data[:2]))
+            trainer.close()
+            return losses, heads
+
+    losses, heads = asyncio.run(main())
+    assert losses[1] < losses[0] - 0.05, losses
+    assert all(h.sync.resyncs == 0 for h in heads), [h.sync.resyncs for h in heads]
+    assert all(h.step >= 2 for h in heads), [h.step for h in heads]
+    print(f"sparse: losses {losses}, steps {[h.step for h in heads]}, rounds ok {[h.sync.rounds_ok for h in heads]}, "
+          f"failed {[h.sync.rounds_failed for h in heads]}")

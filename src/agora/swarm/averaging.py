@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from typing import TYPE_CHECKING, Optional
@@ -33,6 +34,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 
 from agora.compression.powersgd import PowerSGD
+from agora.compression.sparse import SparseAverager, SparseSnapshot
 from agora.swarm import transport
 from agora.swarm.allreduce import CountingCompression, PowerSGDAverager
 from agora.swarm.records import PeerState, StageRecord, read_bans, read_stage
@@ -78,6 +80,7 @@ class ReplicaSync:
         )
         params = list(node.stage.parameters())
         self.psgd: Optional[PowerSGD] = None
+        self.sparse: Optional[SparseAverager] = None
         if self.scheme == "powersgd":
             a = m.averaging
             self.psgd = PowerSGD([p.shape for p in params], a.rank, run_id=m.run_id, stage=node.stage_index,
@@ -88,10 +91,19 @@ class ReplicaSync:
             matrices = [torch.zeros(ps[0], qs_[0], dtype=f64)
                         for ps, qs_ in zip(self.psgd.p_shapes(), self.psgd.q_shapes())]
             self.averager = PowerSGDAverager(phase1, qs, matrices, node.dht, **settings)
+        elif self.scheme == "sparse":
+            a = m.averaging
+            self.sparse = SparseAverager(list(node.stage.named_parameters()), node.optimizer,
+                                         seed=(m.run_id, node.stage_index), rho=a.rho, every=a.every)
+            self.buffers = [torch.zeros(self.sparse.payload_numel(), dtype=torch.float64)]
+            self.averager = DecentralizedAverager(self.buffers, node.dht, **settings)
         else:
             self.buffers = [torch.zeros_like(p, dtype=torch.float64) for p in params]
             self.averager = DecentralizedAverager(self.buffers, node.dht, **settings)
         self._compressed_step: Optional[int] = None  # step whose PowerSGD payload is built and not yet resolved
+        self._sparse_task: Optional[asyncio.Task] = None  # the background SPARTA round in flight (at most one)
+        self._samples_since_round = 0  # the weight of this replica in the next SPARTA round
+        self._epoch = 0  # bumped by every state download: a SPARTA round snapshotted before one is dropped
         self.round_bytes: list[int] = []  # all-reduce payload bytes this replica sent, per successful round
         self.fingerprint = parameter_fingerprint(node.stage)
         self.fingerprint_step = node.step  # the step ``fingerprint`` was computed at (records carry it only then)
@@ -142,6 +154,7 @@ class ReplicaSync:
 
         def load() -> None:
             n.import_state(reply["step"], reply["names"], tensors, keep_grads=keep_grads)
+            self._epoch += 1
             if self.psgd is not None:
                 self.psgd.reset()  # the error buffer belongs to the trajectory we just left
             self._set_fingerprint()
@@ -199,15 +212,101 @@ class ReplicaSync:
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
         n = self.node
-        while True:
-            await asyncio.sleep(POLL_S)
-            try:
-                async with self.lock:
-                    await self._tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # keep the node alive; the next tick retries with fresh records
-                logger.warning(f"stage {n.stage_index} sync tick failed: {err!r}", exc_info=True)
+        try:
+            while True:
+                await asyncio.sleep(POLL_S)
+                try:
+                    async with self.lock:
+                        await (self._tick_sparse() if self.sparse is not None else self._tick())
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # keep the node alive; the next tick retries with fresh records
+                    logger.warning(f"stage {n.stage_index} sync tick failed: {err!r}", exc_info=True)
+        finally:
+            if self._sparse_task is not None:  # a background round must not outlive its sync loop (stage move)
+                self._sparse_task.cancel()
+
+    async def _tick_sparse(self) -> None:
+        """SPARTA: step on our own gradients once we hold our share of the batch; rounds run in the background.
+
+        Replicas legitimately hold different parameters and may be a step or two apart, so the two repairs of
+        ``_tick`` are off: no adoption of the leader's state on a fingerprint mismatch, and a replica ahead is only
+        followed (state download) once it is more than one averaging period ``H`` ahead: we fell behind and our
+        state is too stale for the rounds to pull it back.
+        """
+        n = self.node
+        if n.state != PeerState.SERVING:
+            return
+        banned = await self.banned_replicas()  # keeps the ban list fresh for the background rounds
+        others = [r for r in await self.replicas() if r.state == PeerState.SERVING.value and r.peer_id not in banned]
+        far = [r for r in others if r.step > n.step + self.sparse.every]
+        if far:
+            best = max(r.step for r in far)
+            logger.info(f"stage {n.stage_index}: replica at step {best} is more than {self.sparse.every} steps ahead "
+                        f"of our {n.step}; resyncing")
+            await self.download_from(random.choice([r for r in far if r.step == best]))
+            return
+        if n.samples == 0:
+            return
+        # Our share of the swarm-wide batch: the replicas together still take one step per target_batch_size
+        # samples, as with full averaging, so the learning-rate schedule means the same thing.
+        share = max(1, math.ceil(self.target / (1 + len(others))))
+        stalled = time.monotonic() - n.last_sample_time > n.opts.stall_step_s
+        if n.samples >= share or stalled:
+            await self.round(0, stalled=stalled and n.samples < share)
+
+    async def _sparse_round(self, snap: SparseSnapshot, weight: int, epoch: int) -> None:
+        """One background SPARTA round: all-reduce ``snap``'s payload, then apply the delta rule on the compute
+        thread, ``k`` steps after the snapshot. Bounded by hivemind's timeouts and a hard deadline; a failed or
+        mismatched round is dropped (its partition class comes back ``N`` rounds later)."""
+        n = self.node
+        timeout = n.opts.averaging_timeout_s
+        sent_before = self.bytes_sent
+        t0 = time.monotonic()
+        result: Optional[dict] = None
+        try:
+            with self.averager.get_tensors() as bufs:
+                bufs[0].copy_(snap.payload)
+            control = await n.run_io(
+                lambda: self.averager.step(
+                    weight=max(float(weight), ZERO_SAMPLE_WEIGHT), gather={"round": snap.round_index},
+                    timeout=timeout, allow_retries=True, wait=False,
+                )
+            )
+            result = await self._await_round(control, None, timeout)
+        except Exception as err:  # a failed round, not a failed node
+            logger.warning(f"stage {n.stage_index}: SPARTA round {snap.round_index} raised {err!r}")
+        members = {str(p) for p in result} if result is not None else set()
+        rounds = {g.get("round") for g in result.values() if isinstance(g, dict)} if result is not None else set()
+        if result is None or len(result) < 2 or rounds != {snap.round_index} or members & self._banned:
+            # No group, a group that mixed replicas of different rounds (different partition classes), or a
+            # banned member: applying it would corrupt our slice; drop it.
+            self.rounds_failed += 1
+            logger.warning(f"stage {n.stage_index}: SPARTA round {snap.round_index} dropped "
+                           f"({'no group' if result is None else f'rounds {sorted(map(str, rounds))}'})")
+            return
+        with self.averager.get_tensors() as bufs:
+            averaged = bufs[0].clone()
+
+        def apply() -> Optional[int]:
+            if epoch != self._epoch or n.step < snap.step:
+                return None  # our state was replaced by a download meanwhile: the snapshot is of another trajectory
+            k = self.sparse.apply(snap, averaged, n.step)
+            n.version += 1  # parameters changed in place: unstashed microbatches recompute their forward
+            self._set_fingerprint()
+            return k
+
+        k = await n.run_compute(apply)
+        if k is None:
+            self.rounds_failed += 1
+            return
+        self.rounds_ok += 1
+        self.round_bytes.append(self.bytes_sent - sent_before)
+        del self.round_bytes[:-100]
+        n.log_event("sparse_round", step=n.step, round=snap.round_index, group=len(result), delay_steps=k,
+                    seconds=time.monotonic() - t0)
+        logger.info(f"stage {n.stage_index}: SPARTA round {snap.round_index} (part {snap.part}) with {len(result)} "
+                    f"replicas applied {k} steps later, {time.monotonic() - t0:.2f}s")
 
     async def _tick(self) -> None:
         n = self.node
@@ -341,7 +440,9 @@ class ReplicaSync:
         finally:
             self.control = None
 
-    async def _await_round(self, control, step: int, timeout: float) -> Optional[dict]:
+    async def _await_round(self, control, step: Optional[int], timeout: float) -> Optional[dict]:
+        """Wait for hivemind's round; gathered metadata by peer, or None. With ``step``, give up early once no
+        replica that could join the round for ``step`` is left (SPARTA rounds, ``step=None``, only time out)."""
         n = self.node
         # Hard bound: matchmaking (timeout) + one all-reduce (allreduce_timeout) + slack. hivemind enforces both;
         # this only guards against a wedged averager process.
@@ -354,7 +455,7 @@ class ReplicaSync:
                 logger.warning(f"stage {n.stage_index}: averaging did not finish within {2 * timeout + 10:.0f}s")
                 control.cancel()
                 return None
-            if now > next_check and not control.began_allreduce:
+            if step is not None and now > next_check and not control.began_allreduce:
                 next_check = now + 1.0
                 if not await self._partners_left(step):
                     # Everyone we could average with is gone (records expired: crashed, or moved on without us):
@@ -374,6 +475,7 @@ class ReplicaSync:
         n = self.node
         t0 = time.monotonic()
         samples, grads = await n.run_compute(n.take_gradients)
+        self._samples_since_round += samples
         averaged: Optional[list[torch.Tensor]] = None
         group = 1
         if n_others > 0:
@@ -417,11 +519,20 @@ class ReplicaSync:
             averaged = await n.run_compute(self._not_averaged, grads, n_others == 0)
             self.local_steps += 1
 
-        def step() -> None:
+        start_sparse = self.sparse is not None and (self._sparse_task is None or self._sparse_task.done())
+
+        def step() -> tuple[Optional[SparseSnapshot], int]:
             n.apply_step([g.float() for g in averaged])
             self._set_fingerprint()
+            if start_sparse and self.sparse.due(n.step):
+                return self.sparse.snapshot(n.step), self._epoch  # right after the step: the round's starting state
+            return None, self._epoch
 
-        await n.run_compute(step)
+        snap, epoch = await n.run_compute(step)
+        if snap is not None:
+            weight, self._samples_since_round = self._samples_since_round, 0
+            self._sparse_task = asyncio.create_task(self._sparse_round(snap, weight, epoch),
+                                                    name=f"sparta-round-{snap.round_index}")
         dt = time.monotonic() - t0
         self.round_durations.append(dt)
         del self.round_durations[:-100]
