@@ -19,6 +19,23 @@ left (its record expired: it died), we cancel and step on our own gradients rath
 Survivors of a broken round may hold slightly different parameters (parts of the all-reduce missing); the
 fingerprint comparison then makes every replica adopt the state of the one with the smallest peer id, keeping its
 own accumulated gradients (they are as good an estimate on the adopted parameters), so replicas never drift.
+
+The manifest's ``averaging.scheme`` picks what a round moves (all replicas of a run agree: it is in the hash):
+
+* ``full`` (default): the above, the whole float64 gradient (8 bytes per parameter per step).
+* ``powersgd``: the same decision and repairs, but a round is rank-``r`` PowerSGD with error feedback, both of its
+  all-reduces in one hivemind group (``agora.swarm.allreduce.PowerSGDAverager``): ``8 r (n + m)`` bytes per
+  ``n x m`` matrix instead of ``8 n m``. Every replica applies the same update, so they stay bit-identical and the
+  fingerprint repair works unchanged. A failed round costs no repair either: every replica whose round failed takes
+  a zero-gradient step and keeps ``G + E`` in its error buffer for the next round. A state download resets the
+  error buffer (it belongs to the trajectory left behind); a replica alone steps on ``G + E``.
+* ``sparse`` (SPARTA, METHODS §3): each replica steps on its own gradients once it holds its share of the batch;
+  every ``H`` steps a background round averages a seeded ``rho`` slice of parameters and Adam moments and applies
+  it with the delta rule, ``k`` steps later. Replicas legitimately differ and may be a step or two apart, so the
+  leader adoption is off and a replica ahead is followed (downloaded) only when more than ``H`` steps ahead.
+
+Every scheme's all-reduce goes through ``CountingCompression``: ``bytes_sent`` and ``round_bytes`` are measured
+payload bytes, not estimates.
 """
 
 from __future__ import annotations
