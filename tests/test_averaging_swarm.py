@@ -6,6 +6,7 @@ round of the same stage (measured by the averager's byte counter, not computed).
 """
 
 import asyncio
+import contextlib
 import time
 
 import torch
@@ -111,6 +112,83 @@ def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
     assert psgd_rounds[0] * 4 < full_rounds[0], (psgd_rounds, full_rounds)
     print(f"all-reduce bytes per round (both replicas): full {full_rounds[0]}, powersgd rank 2 {psgd_rounds[0]} "
           f"({full_rounds[0] / psgd_rounds[0]:.1f}x less); powersgd run {psgd_s:.0f}s, losses {losses}")
+
+
+def test_powersgd_replica_stuck_inside_the_allreduce_then_killed(monkeypatch):
+    """Three head replicas; one joins the PowerSGD group and then never delivers (its all-reduce hangs) and is
+    killed. The two others still step within the round's bounds and end with bit-identical parameters: a round
+    cut short leaves P or Q partly un-averaged, replicas then differ and adopt one state (error buffers reset)."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.averaging.control import AveragingStage
+
+    from agora.swarm.node import StageNode
+    from agora.swarm.peer import make_dht, visible_maddrs
+
+    opts = NodeOptions(stall_step_s=1e9, averaging_timeout_s=12.0, hop_timeout_s=10.0)
+
+    async def stuck(self):  # the victim's all-reduce: joined the group, never delivers
+        await asyncio.sleep(3600)
+        yield
+
+    async def main():
+        boot = make_dht()
+        dhts, nodes = [boot], []
+
+        async def add(stage):
+            dht = make_dht(visible_maddrs(boot))
+            dhts.append(dht)
+            node = StageNode(POWERSGD, stage, dht, opts)
+            nodes.append(node)
+            await node.start()
+            return node
+
+        try:
+            survivors = [await add(0), await add(0)]
+            monkeypatch.setattr(AllReduceRunner, "run", stuck)  # inherited by the victim's forked averager only
+            victim = await add(0)
+            monkeypatch.undo()
+            await add(1)
+            trainer = Trainer(POWERSGD, boot, shard=None)
+            await trainer.start()
+            await _wait(lambda: len(trainer.swarm[0]) == 3 and len(trainer.swarm[1]) == 1, 30, "all peers")
+            assert all(x is not None for x in await asyncio.gather(*(trainer.send(b) for b in _batches(POWERSGD, 4))))
+
+            def victim_in_allreduce():
+                ctl = victim.sync.control
+                return ctl is not None and ctl.stage == AveragingStage.RUNNING_ALLREDUCE
+
+            await _wait(victim_in_allreduce, 40, "the victim to be inside the all-reduce")
+            await asyncio.sleep(0.5)
+            for task in [*victim._tasks, victim._sync_task]:  # abrupt death: no leave, connections break
+                task.cancel()
+            victim.dht.shutdown()
+            victim.sync.shutdown()
+            nodes.remove(victim)
+            t_crash = time.monotonic()
+            await _wait(lambda: all(n.step >= 1 for n in survivors), 2 * opts.averaging_timeout_s + 15,
+                        "the survivors to step")
+            stepped_after = time.monotonic() - t_crash
+            await _wait(lambda: survivors[0].step == survivors[1].step and all(
+                torch.equal(a, b) for a, b in zip(survivors[0].stage.parameters(), survivors[1].stage.parameters())),
+                40, "the survivors to agree")
+            trainer.close()
+            return stepped_after, survivors
+        finally:
+            for node in nodes:
+                with contextlib.suppress(Exception):
+                    await node.stop()
+            for dht in dhts:
+                with contextlib.suppress(Exception):
+                    dht.shutdown()
+
+    stepped_after, survivors = asyncio.run(main())
+    assert stepped_after < 2 * 12.0 + 15
+    # Whatever the round left, neither survivor stepped on its own un-averaged gradient: each either applied a
+    # (partly) averaged update or, when its round failed, a zero update with G + E kept for later.
+    # The broken round was noticed: a survivor's round failed (zero step) or their results differed (state adopted).
+    assert sum(s.sync.rounds_failed + s.sync.resyncs for s in survivors) >= 1
+    print(f"survivors stepped {stepped_after:.1f}s after the crash; rounds ok/failed/resyncs: "
+          f"{[(s.sync.rounds_ok, s.sync.rounds_failed, s.sync.resyncs) for s in survivors]}")
 
 
 # ------------------------------------------------------------------------------------------------ sparse (SPARTA)
