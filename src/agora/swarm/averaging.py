@@ -295,9 +295,17 @@ class ReplicaSync:
             logger.warning(f"stage {n.stage_index}: SPARTA round {snap.round_index} raised {err!r}")
         members = {str(p) for p in result} if result is not None else set()
         rounds = {g.get("round") for g in result.values() if isinstance(g, dict)} if result is not None else set()
-        if result is None or len(result) < 2 or rounds != {snap.round_index} or members & self._banned:
-            # No group, a group that mixed replicas of different rounds (different partition classes), or a
-            # banned member: applying it would corrupt our slice; drop it.
+        outsiders: set[str] = set()
+        if members and n.members is not None:  # allow-listed run: only certified replicas of this stage count
+            try:
+                outsiders = members - {r.peer_id for r in await self.replicas()} - {n.peer_id}
+            except Exception as err:  # cannot tell who was in the group: treat them all as unknown
+                logger.warning(f"stage {n.stage_index}: reading the replicas failed: {err!r}")
+                outsiders = members - {n.peer_id}
+        if (result is None or len(result) < 2 or rounds != {snap.round_index} or members & self._banned
+                or outsiders):
+            # No group, a group that mixed replicas of different rounds (different partition classes), a banned
+            # or an uncertified member: applying it would corrupt our slice; drop it.
             self.rounds_failed += 1
             logger.warning(f"stage {n.stage_index}: SPARTA round {snap.round_index} dropped "
                            f"({'no group' if result is None else f'rounds {sorted(map(str, rounds))}'})")
