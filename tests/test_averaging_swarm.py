@@ -89,14 +89,14 @@ async def _check_and_break_a_round(heads, step):
 
 def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
     t0 = time.monotonic()
-    losses, heads = asyncio.run(_train(POWERSGD, steps=5, check_each_step=_check_and_break_a_round))
+    losses, heads = asyncio.run(_train(POWERSGD, steps=4, check_each_step=_check_and_break_a_round))
     psgd_s = time.monotonic() - t0
     for h in heads:
         # every other step was a real two-replica PowerSGD round; no repair by state download was ever needed
-        assert h.sync.scheme == "powersgd" and h.sync.rounds_ok == 4, (h.sync.rounds_ok, h.sync.rounds_failed)
+        assert h.sync.scheme == "powersgd" and h.sync.rounds_ok == 3, (h.sync.rounds_ok, h.sync.rounds_failed)
         assert h.sync.rounds_failed == 1 and h.sync.local_steps == 1 and h.sync.resyncs == 0
         assert any(e is not None and e.abs().sum() > 0 for e in h.sync.psgd.errors)  # error feedback is live
-    assert losses[1] < losses[0] - 0.05, losses
+    assert losses[1] < losses[0] - 0.5, losses
 
     full_losses, full_heads = asyncio.run(_train(BASE, steps=1))
     # In a group of two each replica sends the other the part of the payload that the other reduces, so per round
@@ -106,9 +106,9 @@ def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
     elements = sum(p.numel() for p in heads[0].stage.parameters())
     psgd_rounds = [a + b for a, b in zip(heads[0].sync.round_bytes, heads[1].sync.round_bytes)]
     full_rounds = [a + b for a, b in zip(full_heads[0].sync.round_bytes, full_heads[1].sync.round_bytes)]
-    assert len(psgd_rounds) == 4 and len(full_rounds) == 1, (psgd_rounds, full_rounds)
+    assert len(psgd_rounds) == 3 and len(full_rounds) == 1, (psgd_rounds, full_rounds)
     assert full_rounds == [8 * elements], (full_rounds, elements)
-    assert psgd_rounds == [8 * heads[0].sync.psgd.numel_sent()] * 4, psgd_rounds
+    assert psgd_rounds == [8 * heads[0].sync.psgd.numel_sent()] * 3, psgd_rounds
     assert psgd_rounds[0] * 4 < full_rounds[0], (psgd_rounds, full_rounds)
     print(f"all-reduce bytes per round (both replicas): full {full_rounds[0]}, powersgd rank 2 {psgd_rounds[0]} "
           f"({full_rounds[0] / psgd_rounds[0]:.1f}x less); powersgd run {psgd_s:.0f}s, losses {losses}")
@@ -296,7 +296,7 @@ def test_sparse_swarm_learns_without_state_downloads():
             return losses, heads
 
     losses, heads = asyncio.run(main())
-    assert losses[1] < losses[0] - 0.05, losses
+    assert losses[1] < losses[0] - 0.5, losses
     assert all(h.sync.resyncs == 0 for h in heads), [h.sync.resyncs for h in heads]
     assert all(h.step >= 2 for h in heads), [h.step for h in heads]
     print(f"sparse: losses {losses}, steps {[h.step for h in heads]}, rounds ok {[h.sync.rounds_ok for h in heads]}, "
