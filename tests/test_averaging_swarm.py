@@ -301,3 +301,19 @@ def test_sparse_swarm_learns_without_state_downloads():
     assert all(h.step >= 2 for h in heads), [h.step for h in heads]
     print(f"sparse: losses {losses}, steps {[h.step for h in heads]}, rounds ok {[h.sync.rounds_ok for h in heads]}, "
           f"failed {[h.sync.rounds_failed for h in heads]}")
+
+
+def test_averaging_spec_of_the_demo_and_benchmark_commands():
+    import pytest
+
+    from agora.config import ManifestError
+    from agora.swarm.demo import demo_manifest
+
+    assert demo_manifest("tiny", 2, averaging="full").hash == demo_manifest("tiny", 2).hash
+    a = demo_manifest("tiny", 2, averaging="sparse, every=5, rho=0.1").averaging
+    assert (a.scheme, a.every, a.rho) == ("sparse", 5, 0.1)
+    assert demo_manifest("small", 3, averaging="powersgd,rank=8").averaging.rank == 8
+    with pytest.raises(ValueError, match="expected SCHEME"):
+        demo_manifest("tiny", 2, averaging="sparse,every")
+    with pytest.raises(ManifestError, match="only apply to scheme 'sparse'"):
+        demo_manifest("tiny", 2, averaging="powersgd,every=5")

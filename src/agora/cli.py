@@ -195,8 +195,9 @@ def bench_efficiency(
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
     link_mbps: Optional[float] = typer.Option(None, help="also run capped-link swarms (dense vs subspace) at this rate"),
     capped_steps: Optional[int] = typer.Option(None, help="steps of each capped-link run (default: --steps)"),
-    averaging: Optional[str] = typer.Option(None, help="replica averaging scheme of the swarm runs: full, powersgd "
-                                                       "or sparse (default: the preset's)"),
+    averaging: Optional[str] = typer.Option(None, help="replica averaging of the swarm runs: full, powersgd or sparse, "
+                                                       "optionally with settings: 'powersgd,rank=8', "
+                                                       "'sparse,every=5,rho=0.05' (default: the preset's)"),
 ) -> None:
     """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
     from agora.bench.efficiency import run
@@ -372,7 +373,8 @@ def demo(
     residual: Optional[str] = typer.Option(None, help="override the preset's residual mode: dense or subspace"),
     link_mbps: Optional[float] = typer.Option(None, help="emulate each peer's uplink at this many Mbit/s"),
     link_latency_ms: float = typer.Option(0.0, help="emulated one-way latency per message"),
-    averaging: Optional[str] = typer.Option(None, help="replica averaging scheme: full, powersgd or sparse"),
+    averaging: Optional[str] = typer.Option(None, help="replica averaging: full, powersgd or sparse, optionally with "
+                                                       "settings, e.g. 'powersgd,rank=8' or 'sparse,every=5'"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.swarm.demo import run_demo

@@ -38,13 +38,15 @@ def run(
 ) -> dict:
     out = Path(out)
     manifest = demo_manifest(preset, stages, averaging=averaging)
-    scheme = manifest.averaging.scheme
+    a = manifest.averaging
+    scheme = {"full": "full", "powersgd": f"powersgd rank {a.rank}",
+              "sparse": f"sparse rho {a.rho:g} every {a.every}"}[a.scheme]
     cores = os.cpu_count() or 1
     log(f"[efficiency] centralized: {preset}, {steps} steps, {cores} threads")
     central = train_local(manifest, steps, out / "centralized", val_batches=4, threads=cores)
     log(f"[efficiency] swarm: {stages} stages x {replicas} replicas, {steps} steps, {scheme} averaging")
     swarm = run_demo(preset=preset, stages=stages, replicas=replicas, steps=steps, out=out / "swarm",
-                     in_flight=in_flight, live=False, timeout=3600, averaging=scheme)
+                     in_flight=in_flight, live=False, timeout=3600, averaging=averaging)
     rows = [
         ["centralized", central["tokens"], central["wall_s"], central["cpu_s"], central["tokens_per_s"],
          central["tokens_per_cpu_s"], central["val_loss"]],
@@ -73,7 +75,7 @@ def run(
             log(f"[efficiency] swarm, {residual} boundaries, links capped at {link_mbps:g} Mbit/s")
             run_ = run_demo(preset=preset, stages=stages, replicas=replicas, steps=capped_steps or steps,
                             out=out / f"swarm-{residual}-{link_mbps:g}mbit", in_flight=in_flight, live=False,
-                            timeout=3600, residual=residual, link_mbps=link_mbps, averaging=scheme)
+                            timeout=3600, residual=residual, link_mbps=link_mbps, averaging=averaging)
             capped[residual] = {"tokens_per_s": run_["tokens_per_s"], "tokens": run_["tokens"],
                                 "wall_s": run_["wall_s"], "finished": run_["finished"],
                                 "vs_uncapped_swarm": run_["tokens_per_s"] / swarm["tokens_per_s"]}

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import yaml
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -43,13 +44,26 @@ def even_split(n_layers: int, n_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
+def averaging_section(spec: str) -> dict:
+    """The manifest's ``averaging`` section from a command-line spec: ``powersgd``, ``powersgd,rank=8``,
+    ``sparse,every=5,rho=0.1`` (unnamed settings keep their defaults; the manifest validates the result)."""
+    scheme, *settings = [part.strip() for part in spec.split(",")]
+    section: dict = {"scheme": scheme}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"averaging spec {spec!r}: expected SCHEME[,KEY=VALUE...], e.g. 'sparse,every=5'")
+        section[key.strip()] = yaml.safe_load(value)
+    return section
+
+
 def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
                   averaging: Optional[str] = None) -> Manifest:
     """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries);
-    ``averaging`` picks the replicas' averaging scheme (``full``, ``powersgd``, ``sparse``; manifest defaults)."""
+    ``averaging`` sets the replicas' averaging scheme (a spec for :func:`averaging_section`)."""
     m = load_manifest(preset)
-    if averaging is not None and averaging != m.averaging.scheme:
-        m = m.with_overrides(**{"averaging": {"scheme": averaging}})
+    if averaging is not None:
+        m = m.with_overrides(averaging=averaging_section(averaging))
     if stages != m.n_stages:
         m = m.with_overrides(stages=even_split(m.model.n_layers, stages))
     if residual == "dense":
