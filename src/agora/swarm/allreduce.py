@@ -114,6 +114,7 @@ class PowerSGDAverager(DecentralizedAverager):
         On failure the phase-1 buffers are restored before re-raising: hivemind may retry the round with another
         group, and that retry must start from this replica's own P, not from a half-averaged or orthogonalized one.
         """
+        kwargs.pop("tensor_infos", None)  # hivemind's infos cover both phases' tensors; each phase derives its own
         try:
             bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
             modes = tuple(map(AveragingMode, mode_ids))
