@@ -310,7 +310,11 @@ def run_demo(
         deadline = t0 + timeout
         with Live(console=console, refresh_per_second=2, transient=False) if live else _Null() as view:
             while time.time() < deadline:
-                snap = swarm_status(dht, manifest)
+                try:
+                    snap = swarm_status(dht, manifest)
+                except TimeoutError:  # a DHT read timed out (an overloaded machine): look again next second
+                    time.sleep(1.0)
+                    continue
                 timeline.append(_timeline_point(snap, time.time() - t0))
                 if view is not None:
                     view.update(progress_table(snap, steps, time.time() - t0, events))
