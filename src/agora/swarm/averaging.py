@@ -29,10 +29,10 @@ The manifest's ``averaging.scheme`` picks what a round moves (all replicas of a 
   fingerprint repair works unchanged. A failed round costs no repair either: every replica whose round failed takes
   a zero-gradient step and keeps ``G + E`` in its error buffer for the next round. A state download resets the
   error buffer (it belongs to the trajectory left behind); a replica alone steps on ``G + E``.
-* ``sparse`` (SPARTA, METHODS §3): each replica steps on its own gradients once it holds its share of the batch;
+* ``sparse`` (SPARTA, METHODS §3): replicas step together (same decision as above) but each on its own gradients;
   every ``H`` steps a background round averages a seeded ``rho`` slice of parameters and Adam moments and applies
-  it with the delta rule, ``k`` steps later. Replicas legitimately differ and may be a step or two apart, so the
-  leader adoption is off and a replica ahead is followed (downloaded) only when more than ``H`` steps ahead.
+  it with the delta rule, ``k`` steps later. Replicas legitimately differ, so the leader adoption is off, and a
+  replica's state is downloaded only when it fell more than ``H`` steps behind.
 
 Every scheme's all-reduce goes through ``CountingCompression``: ``bytes_sent`` and ``round_bytes`` are measured
 payload bytes, not estimates.
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from typing import TYPE_CHECKING, Optional
@@ -244,17 +243,21 @@ class ReplicaSync:
                 self._sparse_task.cancel()
 
     async def _tick_sparse(self) -> None:
-        """SPARTA: step on our own gradients once we hold our share of the batch; rounds run in the background.
+        """SPARTA: replicas step together, each on its own gradients; rounds run in the background.
 
-        Replicas legitimately hold different parameters and may be a step or two apart, so the two repairs of
-        ``_tick`` are off: no adoption of the leader's state on a fingerprint mismatch, and a replica ahead is only
-        followed (state download) once it is more than one averaging period ``H`` ahead: we fell behind and our
-        state is too stale for the rounds to pull it back.
+        When to step is decided as for ``full``, from facts: once the replicas at our step together hold the target
+        batch (or we stalled), we step, and a replica that sees another one a step ahead follows at once, on what
+        it has accumulated (a zero gradient if nothing). Why keep the replicas' steps aligned although nothing is
+        averaged per step: a SPARTA round pairs the replicas that reach the same multiple of ``H``; replicas left
+        to step on their own share drift apart in steps (routing feeds one more than the other) and then never
+        meet in a round. What is off compared to ``full``: no adoption of the leader's state on a fingerprint
+        mismatch (replicas legitimately differ), and a state download only for a replica more than ``H`` steps
+        behind (its state too stale for the rounds to pull it back).
         """
         n = self.node
         if n.state != PeerState.SERVING:
             return
-        banned = await self.banned_replicas()  # keeps the ban list fresh for the background rounds
+        banned = await self.banned_replicas()  # also keeps the ban list fresh for the background rounds
         others = [r for r in await self.replicas() if r.state == PeerState.SERVING.value and r.peer_id not in banned]
         far = [r for r in others if r.step > n.step + self.sparse.every]
         if far:
@@ -263,14 +266,18 @@ class ReplicaSync:
                         f"of our {n.step}; resyncing")
             await self.download_from(random.choice([r for r in far if r.step == best]))
             return
+        if any(r.step > n.step for r in others):
+            await self.round(0)  # the stage took this step: follow on our own gradients
+            return
         if n.samples == 0:
             return
-        # Our share of the swarm-wide batch: the replicas together still take one step per target_batch_size
-        # samples, as with full averaging, so the learning-rate schedule means the same thing.
-        share = max(1, math.ceil(self.target / (1 + len(others))))
+        if n.samples != self._announced_samples and time.monotonic() - self._announced_at > 0.5:
+            self._announced_samples, self._announced_at = n.samples, time.monotonic()
+            await n.announce()
+        total = n.samples + sum(r.samples for r in others if r.step == n.step)
         stalled = time.monotonic() - n.last_sample_time > n.opts.stall_step_s
-        if n.samples >= share or stalled:
-            await self.round(0, stalled=stalled and n.samples < share)
+        if total >= self.target or stalled:
+            await self.round(0, stalled=stalled and total < self.target)
 
     async def _sparse_round(self, snap: SparseSnapshot, weight: int, epoch: int) -> None:
         """One background SPARTA round: all-reduce ``snap``'s payload, then apply the delta rule on the compute
