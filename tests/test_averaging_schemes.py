@@ -193,6 +193,24 @@ def test_powersgd_abort_does_not_alias_the_callers_gradient():
     torch.testing.assert_close(psgd.errors[0], keep)
 
 
+def test_powersgd_flush_applies_the_error_once_and_empties_it():
+    psgd = PowerSGD([(12, 8), (8,)], 2, run_id="x", stage=0)
+    gen = torch.Generator().manual_seed(3)
+    g0 = [torch.randn(12, 8, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64)]
+    psgd.compress_p(g0, step=0)
+    psgd.abort()  # a failed round: all of g0 waits in the error buffer
+    g1 = [torch.randn(12, 8, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64)]
+    out = psgd.flush(g1)
+    torch.testing.assert_close(out[0], g0[0] + g1[0])
+    assert out[1] is g1[1]  # passthrough tensors never have an error
+    assert psgd.errors == [None]
+    torch.testing.assert_close(psgd.flush(g1)[0], g1[0])  # flushed once, not twice
+    with pytest.raises(RuntimeError):
+        psgd.matrices()  # no round in progress
+    psgd.compress_p(g1, step=1)
+    torch.testing.assert_close(psgd.matrices()[0], g1[0])
+
+
 # ----------------------------------------------------------------------------------------------- sparse (SPARTA)
 
 SHAPES = [("w1", (17, 13)), ("b1", (13,)), ("w2", (13, 5))]

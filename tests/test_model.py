@@ -182,6 +182,39 @@ def test_manifest_hash_is_stable_and_content_sensitive(tmp_path):
     assert a.with_overrides(**{"optimizer.lr": 0.01}).hash != a.hash
 
 
+def test_averaging_section_defaults_validates_and_enters_the_hash(tmp_path):
+    base = load_manifest("tiny")
+    assert base.averaging.scheme == "full"
+    # A default section is left out of the hash: manifests and checkpoints from before it existed still match.
+    assert '"averaging"' not in base.canonical_json()
+    psgd = base.with_overrides(**{"averaging.scheme": "powersgd", "averaging.rank": 8})
+    assert psgd.hash != base.hash and psgd.hash != base.with_overrides(**{"averaging.scheme": "powersgd"}).hash
+    path = tmp_path / "m.yaml"
+    path.write_text(psgd.to_yaml())
+    assert load_manifest(path).hash == psgd.hash and load_manifest(path).averaging.rank == 8
+    sparse = base.with_overrides(**{"averaging.scheme": "sparse", "averaging.rho": 0.1, "averaging.every": 5})
+    assert (sparse.averaging.rho, sparse.averaging.every) == (0.1, 5)
+    for preset in ("tiny", "small", "agora-8b"):
+        assert load_manifest(preset).averaging.scheme == "full"
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"averaging": {"scheme": "topk"}}, "averaging.scheme"),
+    ({"averaging": {"scheme": "powersgd", "rank": 0}}, "averaging.rank"),
+    ({"averaging": {"scheme": "sparse", "rho": 0}}, "averaging.rho"),
+    ({"averaging": {"scheme": "sparse", "every": 0}}, "averaging.every"),
+    ({"averaging": {"scheme": "full", "rank": 8}}, "only apply to scheme 'powersgd'"),
+    ({"averaging": {"scheme": "powersgd", "rho": 0.1}}, "only apply to scheme 'sparse'"),
+    ({"averaging": {"scheme": "full", "ranks": 8}}, "unknown key"),
+])
+def test_bad_averaging_section_is_a_clear_error(change, needle):
+    data = load_manifest("tiny").model_dump(mode="json")
+    data.update(change)
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(data, "test.yaml")
+    assert needle in str(err.value), str(err.value)
+
+
 def test_malformed_yaml_is_a_clear_error(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("run_id: [unclosed\n")

@@ -197,12 +197,16 @@ def bench_efficiency(
     capped_steps: Optional[int] = typer.Option(None, help="steps of each capped-link run (default: --steps)"),
     link_backend: str = typer.Option("auto", help="capped runs: auto (namespaces + tc tbf when root, else the "
                                                   "in-transport throttle), netns or transport"),
+    averaging: Optional[str] = typer.Option(None, help="replica averaging of the swarm runs: full, powersgd or sparse, "
+                                                       "optionally with settings: 'powersgd,rank=8', "
+                                                       "'sparse,every=5,rho=0.05' (default: the preset's)"),
 ) -> None:
     """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
     from agora.bench.efficiency import run
 
     run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
-        link_mbps=link_mbps, capped_steps=capped_steps, link_backend=link_backend, log=console.print)
+        link_mbps=link_mbps, capped_steps=capped_steps, link_backend=link_backend, averaging=averaging,
+        log=console.print)
 
 
 @bench_app.command("sentinel")
@@ -376,6 +380,8 @@ def demo(
     link_latency_ms: float = typer.Option(0.0, help="emulated one-way latency per message (added in the transport)"),
     link_backend: str = typer.Option("auto", help="auto, netns (fail if namespaces are unavailable) or transport"),
     allow_list: bool = typer.Option(False, help="invitation-only run: signed manifest, every peer with a certified key"),
+    averaging: Optional[str] = typer.Option(None, help="replica averaging: full, powersgd or sparse, optionally with "
+                                                       "settings, e.g. 'powersgd,rank=8' or 'sparse,every=5'"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.swarm.demo import plan_links, run_demo
@@ -392,6 +398,7 @@ def demo(
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
         residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms, link_backend=link_backend,
         allow_list=allow_list,
+        averaging=averaging,
     )
     mb = summary["microbatches"]
     console.print(

@@ -119,6 +119,27 @@ class SecurityConfig(_Strict):
         return self
 
 
+class AveragingConfig(_Strict):
+    """How the replicas of a stage keep in agreement (``agora.swarm.averaging``).
+
+    It lives in the manifest (and so in its hash) because every replica of a stage must run the same scheme: a
+    PowerSGD replica and a full-averaging replica cannot share an all-reduce, and a manifest hash mismatch refuses
+    the mix at the door instead of failing every round.
+
+    * ``full``: all-reduce of the whole float64 gradient every step (bit-identical replicas; ``8 B`` per element).
+    * ``powersgd``: rank-``rank`` PowerSGD with error feedback, two all-reduces (P, Q) in one group per step;
+      replicas still apply the same update and stay bit-identical.
+    * ``sparse``: SPARTA. Each replica steps on its own gradients; every ``every`` steps a background round
+      averages a seeded ``rho`` slice of parameters and Adam moments (replicas legitimately differ in between).
+    """
+
+    scheme: Literal["full", "powersgd", "sparse"] = "full"
+    rank: int = Field(default=4, ge=1, le=256, description="PowerSGD rank (powersgd only)")
+    warm_start: bool = Field(default=False, description="PowerSGD: start from the last averaged Q (powersgd only)")
+    rho: float = Field(default=0.05, gt=0, le=1, description="fraction of the state averaged per round (sparse)")
+    every: int = Field(default=20, ge=1, description="optimizer steps between sparse rounds (sparse only)")
+
+
 class Manifest(_Strict):
     run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     seed: int = 0
@@ -129,6 +150,7 @@ class Manifest(_Strict):
     batch: BatchConfig = BatchConfig()
     data: DataConfig = DataConfig()
     security: SecurityConfig = SecurityConfig()
+    averaging: AveragingConfig = AveragingConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -141,6 +163,13 @@ class Manifest(_Strict):
                 f"stages={self.stages} sum to {sum(self.stages)} layers but model.n_layers={self.model.n_layers}; "
                 f"make them add up (you have more stages than layers if this cannot work)"
             )
+        a = self.averaging
+        if a.scheme != "powersgd" and (a.rank != 4 or a.warm_start):
+            raise ValueError(f"averaging.rank/warm_start only apply to scheme 'powersgd' (scheme is {a.scheme!r}); "
+                             f"remove them or set averaging.scheme: powersgd")
+        if a.scheme != "sparse" and (a.rho != 0.05 or a.every != 20):
+            raise ValueError(f"averaging.rho/every only apply to scheme 'sparse' (scheme is {a.scheme!r}); "
+                             f"remove them or set averaging.scheme: sparse")
         if self.residual.mode == "subspace":
             if self.residual.k is None:
                 raise ValueError("residual.k is required when residual.mode is 'subspace' (try k = d_model / 64)")
@@ -161,7 +190,12 @@ class Manifest(_Strict):
         return range(start, start + self.stages[stage])
 
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """Sorted, compact JSON of every field. A default ``averaging`` section is left out, so manifests (and
+        checkpoints) written before the section existed keep their hash; any non-default scheme changes it."""
+        data = self.model_dump(mode="json")
+        if self.averaging == AveragingConfig():
+            del data["averaging"]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
     def hash(self) -> str:

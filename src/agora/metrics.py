@@ -122,6 +122,9 @@ class NodeCollector(Collector):
             rounds.add_metric(["local"], sync.local_steps)
             yield rounds
             yield CounterMetricFamily("agora_state_resyncs", "State downloads from replicas.", value=sync.resyncs)
+            yield CounterMetricFamily("agora_averaging_bytes_sent",
+                                      "All-reduce payload bytes this replica sent to its round partners.",
+                                      value=sync.bytes_sent)
 
         acks = CounterMetricFamily("agora_acknowledged_results",
                                    "Results this peer received from each downstream peer (receiver-side acks).",

@@ -37,17 +37,21 @@ def run(
     link_mbps: Optional[float] = None,
     capped_steps: Optional[int] = None,
     link_backend: str = "auto",
+    averaging: Optional[str] = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     out = Path(out)
     plan = plan_links(link_mbps, 0.0, link_backend) if link_mbps is not None else None  # fail before any run
-    manifest = demo_manifest(preset, stages)
+    manifest = demo_manifest(preset, stages, averaging=averaging)
+    a = manifest.averaging
+    scheme = {"full": "full", "powersgd": f"powersgd rank {a.rank}",
+              "sparse": f"sparse rho {a.rho:g} every {a.every}"}[a.scheme]
     cores = os.cpu_count() or 1
     log(f"[efficiency] centralized: {preset}, {steps} steps, {cores} threads")
     central = train_local(manifest, steps, out / "centralized", val_batches=4, threads=cores)
-    log(f"[efficiency] swarm: {stages} stages x {replicas} replicas, {steps} steps")
+    log(f"[efficiency] swarm: {stages} stages x {replicas} replicas, {steps} steps, {scheme} averaging")
     swarm = run_demo(preset=preset, stages=stages, replicas=replicas, steps=steps, out=out / "swarm",
-                     in_flight=in_flight, live=False, timeout=3600)
+                     in_flight=in_flight, live=False, timeout=3600, averaging=averaging)
     rows = [
         ["centralized", central["tokens"], central["wall_s"], central["cpu_s"], central["tokens_per_s"],
          central["tokens_per_cpu_s"], central["val_loss"]],
@@ -57,14 +61,18 @@ def run(
     ratio = swarm["tokens_per_cpu_s"] / central["tokens_per_cpu_s"]
     wall_ratio = swarm["tokens_per_s"] / central["tokens_per_s"]
     md = markdown_table(["run", "tokens", "wall s", "pooled CPU s", "tokens/s", "tokens per CPU-s", "val loss"], rows)
+    md += (f"\n\nReplica averaging: {scheme}, {swarm['averaging_bytes_sent']} all-reduce payload bytes sent by all "
+           f"replicas in {swarm['rounds_ok']} successful rounds.")
     md += (f"\n\nswarm / centralized tokens per pooled CPU-second: **{ratio:.3f}**; wall-clock tokens/s ratio "
            f"{wall_ratio:.3f}. Validation loss ratio (swarm/centralized): "
            f"{(swarm['val_loss'] or float('nan')) / central['val_loss']:.4f}\n")
     result = {"preset": preset, "steps": steps, "stages": stages, "replicas": replicas, "cores": cores,
+              "averaging": manifest.averaging.model_dump(mode="json"),
               "centralized": {k: central[k] for k in ("tokens", "wall_s", "cpu_s", "tokens_per_s",
                                                       "tokens_per_cpu_s", "val_loss")},
               "swarm": {k: swarm[k] for k in ("tokens", "wall_s", "cpu_s_total", "tokens_per_s", "tokens_per_cpu_s",
-                                              "val_loss", "microbatches", "cpu_s_by_process", "finished")},
+                                              "val_loss", "microbatches", "cpu_s_by_process", "finished",
+                                              "rounds_ok", "rounds_failed", "averaging_bytes_sent")},
               "ratio_tokens_per_cpu_s": ratio, "ratio_tokens_per_s": wall_ratio}
     if link_mbps is not None:
         capped = {}
@@ -73,6 +81,7 @@ def run(
             run_ = run_demo(preset=preset, stages=stages, replicas=replicas, steps=capped_steps or steps,
                             out=out / f"swarm-{residual}-{link_mbps:g}mbit", in_flight=in_flight, live=False,
                             timeout=3600, residual=residual, link_mbps=link_mbps, link_backend=plan.backend,
+                            averaging=averaging,
                             val_batches=0)  # throughput only; a slow dense validation would outlast the stop window
             capped[residual] = {"tokens_per_s": run_["tokens_per_s"], "tokens": run_["tokens"],
                                 "wall_s": run_["wall_s"], "finished": run_["finished"],

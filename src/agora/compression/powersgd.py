@@ -189,6 +189,29 @@ class PowerSGD:
             out[i] = t
         return out  # type: ignore[return-value]
 
+    def matrices(self) -> List[torch.Tensor]:
+        """``M = G + E`` of the round in progress (one n x m matrix per compressed tensor), for an averager that
+        computes ``Q = M^T P^`` in another process; do not modify them."""
+        if self._m is None:
+            raise RuntimeError("matrices() before compress_p()")
+        return list(self._m)
+
+    def flush(self, grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """``G + E`` for every gradient, emptying the error buffers: what a replica applies when it steps alone.
+
+        Without a group there is nothing to compress for, and keeping the error for a later round would only
+        delay it; applying it now is what rank-unlimited averaging over a group of one would do.
+        """
+        if len(grads) != len(self.shapes):
+            raise ValueError(f"expected {len(self.shapes)} gradients, got {len(grads)}")
+        out = list(grads)
+        for j, i in enumerate(self.compressed):
+            if self.errors[j] is not None:
+                out[i] = grads[i] + self.errors[j].reshape(self.shapes[i]).to(grads[i].dtype)
+                self.errors[j] = None
+        self._m = None
+        return out
+
     def abort(self) -> None:
         """The round failed after :meth:`compress_p`: nothing was applied, so all of ``M`` stays in the error."""
         if self._m is not None:

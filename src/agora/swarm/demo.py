@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import yaml
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -63,9 +64,26 @@ def even_split(n_layers: int, n_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
-def demo_manifest(preset: str, stages: int, residual: Optional[str] = None) -> Manifest:
-    """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries)."""
+def averaging_section(spec: str) -> dict:
+    """The manifest's ``averaging`` section from a command-line spec: ``powersgd``, ``powersgd,rank=8``,
+    ``sparse,every=5,rho=0.1`` (unnamed settings keep their defaults; the manifest validates the result)."""
+    scheme, *settings = [part.strip() for part in spec.split(",")]
+    section: dict = {"scheme": scheme}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"averaging spec {spec!r}: expected SCHEME[,KEY=VALUE...], e.g. 'sparse,every=5'")
+        section[key.strip()] = yaml.safe_load(value)
+    return section
+
+
+def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
+                  averaging: Optional[str] = None) -> Manifest:
+    """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries);
+    ``averaging`` sets the replicas' averaging scheme (a spec for :func:`averaging_section`)."""
     m = load_manifest(preset)
+    if averaging is not None:
+        m = m.with_overrides(averaging=averaging_section(averaging))
     if stages != m.n_stages:
         m = m.with_overrides(stages=even_split(m.model.n_layers, stages))
     if residual == "dense":
@@ -392,6 +410,7 @@ def run_demo(
     link_latency_ms: float = 0.0,
     link_backend: str = "auto",
     allow_list: bool = False,
+    averaging: Optional[str] = None,
 ) -> dict:
     """Run a local swarm until every stage took ``steps`` steps, or the trainers reached ``tokens`` tokens, or
     ``train_seconds`` of training passed (whichever comes first); ``timeout`` (from the start) is a failure.
@@ -409,7 +428,7 @@ def run_demo(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = demo_manifest(preset, stages, residual)
+    manifest = demo_manifest(preset, stages, residual, averaging)
     if allow_list and measure_divergence:
         raise ValueError("measure_divergence downloads replica states from the demo process, which holds no "
                          "certificate: not available with allow_list")
@@ -742,6 +761,8 @@ def summarize(swarm: Swarm, manifest: Manifest, wall: float, steps: int, replica
         "staleness_max_per_stage": stale_max,
         "rounds_ok": sum(s.get("rounds_ok", 0) for _, s in nodes),
         "rounds_failed": sum(s.get("rounds_failed", 0) for _, s in nodes),
+        "averaging_scheme": manifest.averaging.scheme,
+        "averaging_bytes_sent": sum(s.get("averaging_bytes_sent", 0) for _, s in nodes),
         "chaos_kills": kills,
         "timeline": timeline,
         "completions": _completions(trainers, t0),

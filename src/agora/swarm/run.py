@@ -183,6 +183,7 @@ def node_summary(node) -> dict:
         "local_steps": sum(s.local_steps for s in node._syncs),
         "resyncs": sum(s.resyncs for s in node._syncs),
         "aborted_rounds": sum(s.aborted_rounds for s in node._syncs),
+        "averaging_bytes_sent": sum(s.bytes_sent for s in node._syncs),
         "moves": node.moves,
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),

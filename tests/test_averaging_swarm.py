@@ -1,0 +1,317 @@
+"""Averaging schemes in a live swarm: two replicas of the head stage with ``averaging.scheme: powersgd``.
+
+What must hold: the replicas step together through real (two-phase) PowerSGD rounds, end every step with
+bit-identical parameters, the loss goes down, and each round puts fewer all-reduce bytes on the wire than a full
+round of the same stage (measured by the averager's byte counter, not computed).
+"""
+
+import asyncio
+import contextlib
+import time
+
+import torch
+
+from agora.config import load_manifest
+from agora.swarm.node import NodeOptions
+from agora.swarm.trainer import Trainer
+from swarm_util import local_swarm
+
+BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
+POWERSGD = BASE.with_overrides(**{"averaging.scheme": "powersgd", "averaging.rank": 2})
+OPTS = NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0)
+
+
+def _batches(man, n, b=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, man.model.vocab_size, (b, man.model.seq_len + 1), generator=g) for _ in range(n)]
+
+
+async def _wait(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def _train(man, steps: int, check_each_step=None):
+    """Layout [0, 0, 1]: the head stage has two replicas that must average. Returns (losses, replicas)."""
+    async with local_swarm(man, [0, 0, 1], OPTS) as (boot, peers, nodes):
+        trainer = Trainer(man, boot, shard=None)
+        await trainer.start()
+        await _wait(lambda: len(trainer.swarm[0]) == 2 and len(trainer.swarm[1]) == 1, 30, "all peers to announce")
+        heads = [n for n in nodes if n.stage_index == 0]
+        data = _batches(man, 4)  # one step = 4 microbatches of 4 = target_batch_size 16, the same data every step
+        val = data[:2]
+        losses = [await trainer.evaluate(val)]
+        for step in range(1, steps + 1):
+            sent = await asyncio.gather(*(trainer.send(b) for b in data))
+            assert all(x is not None for x in sent), sent
+            await _wait(lambda: all(n.step >= step and n.samples == 0 for n in nodes), 40, f"step {step}")
+            if check_each_step is not None:
+                await check_each_step(heads, step)
+        losses.append(await trainer.evaluate(val))
+        trainer.close()
+        return losses, heads
+
+
+async def _identical(heads, step):
+    a, b = heads
+    assert a.step == b.step == step, (a.step, b.step)
+    for (name, pa), pb in zip(a.stage.named_parameters(), b.stage.parameters()):
+        assert torch.equal(pa, pb), f"step {step}: {name} differs by {(pa - pb).abs().max().item():.3g}"
+    assert a.sync.fingerprint == b.sync.fingerprint
+
+
+FAILED_STEP = 3  # the round of this step fails on both replicas (as when matchmaking finds no group in time)
+
+
+async def _check_and_break_a_round(heads, step):
+    await _identical(heads, step)
+    if step == FAILED_STEP - 1:
+        for h in heads:
+            real = h.sync._average
+
+            async def fail_once(samples, grads, sync=h.sync, real=real):
+                sync._average = real
+                await sync.node.run_compute(sync._load_buffers, grads, sync.node.step)  # payload built, then lost
+                return None
+
+            h.sync._average = fail_once
+    if step == FAILED_STEP:
+        # Both replicas stepped with a zero update and kept G + E in their error buffers: still identical (checked
+        # above) without a state download, and nothing of the gradient was dropped.
+        for h in heads:
+            assert h.sync.local_steps == 1 and h.sync.resyncs == 0
+            errors = [e for e in h.sync.psgd.errors if e is not None]
+            assert len(errors) == len(h.sync.psgd.compressed) and all(e.abs().sum() > 0 for e in errors)
+
+
+def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
+    t0 = time.monotonic()
+    losses, heads = asyncio.run(_train(POWERSGD, steps=4, check_each_step=_check_and_break_a_round))
+    psgd_s = time.monotonic() - t0
+    for h in heads:
+        # every other step was a real two-replica PowerSGD round; no repair by state download was ever needed
+        assert h.sync.scheme == "powersgd" and h.sync.rounds_ok == 3, (h.sync.rounds_ok, h.sync.rounds_failed)
+        assert h.sync.rounds_failed == 1 and h.sync.local_steps == 1 and h.sync.resyncs == 0
+        assert any(e is not None and e.abs().sum() > 0 for e in h.sync.psgd.errors)  # error feedback is live
+    assert losses[1] < losses[0] - 0.5, losses
+
+    full_losses, full_heads = asyncio.run(_train(BASE, steps=1))
+    # In a group of two each replica sends the other the part of the payload that the other reduces, so per round
+    # the two replicas together send exactly the payload once: 8 bytes x every gradient element for full, 8 bytes x
+    # (P + Q + passthrough elements) for PowerSGD. Measured by the averager's serializer, so a scheme that silently
+    # fell back to full rounds (or sent nothing) fails here.
+    elements = sum(p.numel() for p in heads[0].stage.parameters())
+    psgd_rounds = [a + b for a, b in zip(heads[0].sync.round_bytes, heads[1].sync.round_bytes)]
+    full_rounds = [a + b for a, b in zip(full_heads[0].sync.round_bytes, full_heads[1].sync.round_bytes)]
+    assert len(psgd_rounds) == 3 and len(full_rounds) == 1, (psgd_rounds, full_rounds)
+    assert full_rounds == [8 * elements], (full_rounds, elements)
+    assert psgd_rounds == [8 * heads[0].sync.psgd.numel_sent()] * 3, psgd_rounds
+    assert psgd_rounds[0] * 4 < full_rounds[0], (psgd_rounds, full_rounds)
+    print(f"all-reduce bytes per round (both replicas): full {full_rounds[0]}, powersgd rank 2 {psgd_rounds[0]} "
+          f"({full_rounds[0] / psgd_rounds[0]:.1f}x less); powersgd run {psgd_s:.0f}s, losses {losses}")
+
+
+def test_powersgd_replica_stuck_inside_the_allreduce_then_killed(monkeypatch):
+    """Three head replicas; one joins the PowerSGD group and then never delivers (its all-reduce hangs) and is
+    killed. The two others still step within the round's bounds and end with bit-identical parameters: a round
+    cut short leaves P or Q partly un-averaged, replicas then differ and adopt one state (error buffers reset)."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.averaging.control import AveragingStage
+
+    from agora.swarm.node import StageNode
+    from agora.swarm.peer import make_dht, visible_maddrs
+
+    opts = NodeOptions(stall_step_s=1e9, averaging_timeout_s=12.0, hop_timeout_s=10.0)
+
+    async def stuck(self):  # the victim's all-reduce: joined the group, never delivers
+        await asyncio.sleep(3600)
+        yield
+
+    async def main():
+        boot = make_dht()
+        dhts, nodes = [boot], []
+
+        async def add(stage):
+            dht = make_dht(visible_maddrs(boot))
+            dhts.append(dht)
+            node = StageNode(POWERSGD, stage, dht, opts)
+            nodes.append(node)
+            await node.start()
+            return node
+
+        try:
+            survivors = [await add(0), await add(0)]
+            monkeypatch.setattr(AllReduceRunner, "run", stuck)  # inherited by the victim's forked averager only
+            victim = await add(0)
+            monkeypatch.undo()
+            await add(1)
+            trainer = Trainer(POWERSGD, boot, shard=None)
+            await trainer.start()
+            await _wait(lambda: len(trainer.swarm[0]) == 3 and len(trainer.swarm[1]) == 1, 30, "all peers")
+            assert all(x is not None for x in await asyncio.gather(*(trainer.send(b) for b in _batches(POWERSGD, 4))))
+
+            def victim_in_allreduce():
+                ctl = victim.sync.control
+                return ctl is not None and ctl.stage == AveragingStage.RUNNING_ALLREDUCE
+
+            await _wait(victim_in_allreduce, 40, "the victim to be inside the all-reduce")
+            await asyncio.sleep(0.5)
+            for task in [*victim._tasks, victim._sync_task]:  # abrupt death: no leave, connections break
+                task.cancel()
+            victim.dht.shutdown()
+            victim.sync.shutdown()
+            nodes.remove(victim)
+            t_crash = time.monotonic()
+            await _wait(lambda: all(n.step >= 1 for n in survivors), 2 * opts.averaging_timeout_s + 15,
+                        "the survivors to step")
+            stepped_after = time.monotonic() - t_crash
+            await _wait(lambda: survivors[0].step == survivors[1].step and all(
+                torch.equal(a, b) for a, b in zip(survivors[0].stage.parameters(), survivors[1].stage.parameters())),
+                40, "the survivors to agree")
+            trainer.close()
+            return stepped_after, survivors
+        finally:
+            for node in nodes:
+                with contextlib.suppress(Exception):
+                    await node.stop()
+            for dht in dhts:
+                with contextlib.suppress(Exception):
+                    dht.shutdown()
+
+    stepped_after, survivors = asyncio.run(main())
+    assert stepped_after < 2 * 12.0 + 15
+    # Whatever the round left, neither survivor stepped on its own un-averaged gradient: each either applied a
+    # (partly) averaged update or, when its round failed, a zero update with G + E kept for later.
+    # The broken round was noticed: a survivor's round failed (zero step) or their results differed (state adopted).
+    assert sum(s.sync.rounds_failed + s.sync.resyncs for s in survivors) >= 1
+    print(f"survivors stepped {stepped_after:.1f}s after the crash; rounds ok/failed/resyncs: "
+          f"{[(s.sync.rounds_ok, s.sync.rounds_failed, s.sync.resyncs) for s in survivors]}")
+
+
+# ------------------------------------------------------------------------------------------------ sparse (SPARTA)
+
+SPARSE = BASE.with_overrides(**{"averaging": {"scheme": "sparse", "rho": 0.5, "every": 2}})
+
+
+def _feed(node, seed: int, samples: int = 8) -> None:
+    """Compute thread: what backwards of ``samples`` sequences leave behind (a seeded fake gradient)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in node.stage.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 0.1
+    node.samples += samples
+    node.last_sample_time = time.monotonic()
+
+
+def _state(node) -> dict:
+    out = {}
+    for name, p in node.stage.named_parameters():
+        st = node.optimizer.state[p]
+        out[name] = [p.detach().reshape(-1).clone(), st["exp_avg"].reshape(-1).clone(),
+                     st["exp_avg_sq"].reshape(-1).clone()]
+    return out
+
+
+def _assert_slice_averaged(a, b, part):
+    """On ``part`` the replicas agree (the round wrote the same average on both); elsewhere they still differ."""
+    sa, sb = _state(a), _state(b)
+    for name in sa:
+        idx = a.sync.sparse.partition.indices(name, part)
+        rest = torch.ones(sa[name][0].numel(), dtype=torch.bool)
+        rest[idx] = False
+        for kind, (ta, tb) in enumerate(zip(sa[name], sb[name])):
+            torch.testing.assert_close(ta[idx], tb[idx], rtol=1e-6, atol=0, msg=f"{name}[{kind}] on the slice")
+            if kind < 2 and rest.any():  # (v of a parameter can coincide where both gradients were tiny)
+                assert not torch.equal(ta[rest], tb[rest]), f"{name}[{kind}] off the slice should still differ"
+
+
+def test_sparse_replicas_step_alone_and_average_a_seeded_slice_in_the_background():
+    async def main():
+        async with local_swarm(SPARSE, [0, 0], OPTS) as (boot, peers, nodes):
+            a, b = nodes
+            await _wait(lambda: a.sync.scheme == b.sync.scheme == "sparse", 1, "sparse scheme")
+            seen = {}
+
+            async def both_see_each_other():
+                for x in nodes:
+                    seen[x.peer_id] = len(await x.sync.replicas())
+
+            deadline = time.monotonic() + 30
+            while min(seen.values(), default=0) < 1:
+                assert time.monotonic() < deadline, "replicas never saw each other"
+                await both_see_each_other()
+                await asyncio.sleep(0.2)
+            for step in (1, 2):  # together the replicas hold the batch: each steps on its own gradient
+                for i, x in enumerate(nodes):
+                    await x.run_compute(_feed, x, 10 * step + i)
+                await _wait(lambda: a.step == b.step == step, 20, f"step {step}")
+            # Step 2 = H: a background round averages partition class (2 // H) % N = 1 of params, m and v.
+            await _wait(lambda: a.sync.rounds_ok == b.sync.rounds_ok == 1, 30, "the first SPARTA round")
+            _assert_slice_averaged(a, b, part=1)
+            assert a.step == b.step == 2 and a.sync.local_steps == b.sync.local_steps == 2
+
+            # One replica alone holds the batch and steps; the other follows at once on its own gradient (none
+            # here: a zero-gradient step) and never downloads the state of the one ahead, although they differ.
+            await a.run_compute(_feed, a, 99, 16)
+            await _wait(lambda: a.step == b.step == 3, 20, "b to follow a's step")
+            assert a.sync.resyncs == b.sync.resyncs == 0 and b.sync.local_steps == 3
+            for i, x in enumerate(nodes):
+                await x.run_compute(_feed, x, 40 + i)
+            await _wait(lambda: a.sync.rounds_ok == b.sync.rounds_ok == 2, 30, "the second SPARTA round")
+            _assert_slice_averaged(a, b, part=0)
+            assert a.sync.resyncs == b.sync.resyncs == 0 and a.sync.rounds_failed == b.sync.rounds_failed == 0
+            return a, b
+
+    a, b = asyncio.run(main())
+    # Measured on the wire: per round the two replicas together send the payload once, 3 x (1/N) of the state.
+    payload = 8 * a.sync.sparse.payload_numel()
+    assert [x + y for x, y in zip(a.sync.round_bytes, b.sync.round_bytes)] == [payload, payload]
+    elements = sum(p.numel() for p in a.stage.parameters())
+    assert payload < 8 * 3 * elements * 0.51
+
+
+def test_sparse_swarm_learns_without_state_downloads():
+    opts = NodeOptions(stall_step_s=1.0, averaging_timeout_s=10.0)
+
+    async def main():
+        async with local_swarm(SPARSE, [0, 0, 1], opts) as (boot, peers, nodes):
+            trainer = Trainer(SPARSE, boot, shard=None)
+            await trainer.start()
+            await _wait(lambda: len(trainer.swarm[0]) == 2 and len(trainer.swarm[1]) == 1, 30, "all peers")
+            data = _batches(SPARSE, 4)
+            losses = [await trainer.evaluate(data[:2])]
+            for wave in range(6):
+                sent = await asyncio.gather(*(trainer.send(x) for x in data))
+                assert all(x is not None for x in sent), sent
+                await _wait(lambda: all(n.samples == 0 for n in nodes), 30, f"wave {wave} stepped")
+            heads = [n for n in nodes if n.stage_index == 0]
+            await _wait(lambda: all(h.sync._sparse_task is None or h.sync._sparse_task.done() for h in heads), 30,
+                        "background rounds to finish")
+            losses.append(await trainer.evaluate(data[:2]))
+            trainer.close()
+            return losses, heads
+
+    losses, heads = asyncio.run(main())
+    assert losses[1] < losses[0] - 0.5, losses
+    assert all(h.sync.resyncs == 0 for h in heads), [h.sync.resyncs for h in heads]
+    assert all(h.step >= 2 for h in heads), [h.step for h in heads]
+    print(f"sparse: losses {losses}, steps {[h.step for h in heads]}, rounds ok {[h.sync.rounds_ok for h in heads]}, "
+          f"failed {[h.sync.rounds_failed for h in heads]}")
+
+
+def test_averaging_spec_of_the_demo_and_benchmark_commands():
+    import pytest
+
+    from agora.config import ManifestError
+    from agora.swarm.demo import demo_manifest
+
+    assert demo_manifest("tiny", 2, averaging="full").hash == demo_manifest("tiny", 2).hash
+    a = demo_manifest("tiny", 2, averaging="sparse, every=5, rho=0.1").averaging
+    assert (a.scheme, a.every, a.rho) == ("sparse", 5, 0.1)
+    assert demo_manifest("small", 3, averaging="powersgd,rank=8").averaging.rank == 8
+    with pytest.raises(ValueError, match="expected SCHEME"):
+        demo_manifest("tiny", 2, averaging="sparse,every")
+    with pytest.raises(ManifestError, match="only apply to scheme 'sparse'"):
+        demo_manifest("tiny", 2, averaging="powersgd,every=5")
