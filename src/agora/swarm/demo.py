@@ -252,7 +252,7 @@ class Swarm:
         allow-listed run, every peer started with a certified key."""
         self.manifest_path = manifest_path
         self.authority = authority
-        self.run_id = load_manifest(str(manifest_path)).run_id
+        self.run_id = load_manifest(str(manifest_path)).run_id if authority is not None else None
         self.env = env or {}
         self.topology = topology
         self.out = out
