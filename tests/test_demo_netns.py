@@ -3,15 +3,18 @@
 Skipped unless this runs as root with working network namespaces (``agora.netem.available()``). What is checked:
 the run trains, each peer process (and its hivemind DHT process and libp2p daemon) really lives in a namespace of
 its own that carries the tbf cap, the demo's own DHT client lives in a namespace while none of this process's
-threads stays there, the replica check still reaches the peers, and at the end no namespace and no process of the
-run is left. A fast test without peers covers reusing a dead peer's namespace (chaos replacements).
+threads stays there, the dashboard's page is served on the host's loopback with live data from the namespaced
+swarm, the replica check still reaches the peers, and at the end no namespace and no process of the run is left. A fast test without peers covers reusing a dead peer's namespace (chaos replacements).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -45,9 +48,18 @@ def test_demo_runs_every_peer_in_its_own_capped_namespace_and_removes_them(tmp_p
     inside: dict[str, dict[int, list[str]]] = {}  # namespace -> {pid: cmdline} seen while training
     qdiscs: dict[str, str] = {}
     homes: set[str] = set()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pages: list[dict] = []
 
     def on_tick(snap: dict) -> None:
         homes.update(_threads_namespaces())
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/swarm", timeout=5) as reply:
+                pages.append(json.loads(reply.read()))
+        except OSError:  # not up yet, or its first DHT poll is still running
+            pass
         for name in netem.list_namespaces():
             if not name.startswith(mine) or name.endswith("-hub"):
                 continue
@@ -64,7 +76,7 @@ def test_demo_runs_every_peer_in_its_own_capped_namespace_and_removes_them(tmp_p
     try:
         summary = run_demo(preset="tiny", stages=2, replicas=2, steps=2, out=out, live=False, timeout=150,
                            val_batches=1, link_mbps=20, link_latency_ms=5, link_backend="netns", on_tick=on_tick,
-                           measure_divergence=True)
+                           measure_divergence=True, dashboard_port=port)
     finally:
         time.sleep(1)
         left_namespaces = [n for n in netem.list_namespaces() if n.startswith(mine)]
@@ -80,8 +92,8 @@ def test_demo_runs_every_peer_in_its_own_capped_namespace_and_removes_them(tmp_p
     link = summary["link"]
     assert link["backend"] == "netns" and link["mbps"] == 20
     assert link["agora_link"] == "5ms"  # latency only: tbf caps the rate, the transport must not cap it again
-    roles = {"bootstrap-1": "bootstrap", "train-6": "train", **{n: "node" for n in ("node0-2", "node0-3", "node1-4",
-                                                                                   "node1-5")}}
+    roles = {"bootstrap-1": "bootstrap", "dashboard-6": "dashboard", "train-7": "train",
+             **{n: "node" for n in ("node0-2", "node0-3", "node1-4", "node1-5")}}
     assert set(link["peers"]) == set(roles)
     assert (out / "bootstrap.maddr").read_text().startswith("/ip4/10.231.0.")
     namespaces = [p["netns"] for p in link["peers"].values()] + [link["observer"]["netns"]]
@@ -94,7 +106,9 @@ def test_demo_runs_every_peer_in_its_own_capped_namespace_and_removes_them(tmp_p
         # namespace's address, with its libp2p daemon
         assert {c[c.index("agora.cli") + 1] for c in clis} == {roles[name]}, (name, clis)
         assert len({tuple(c) for c in clis}) == 1, (name, clis)
-        assert clis[0][clis[0].index("--host") + 1] == peer["address"]
+        # the dashboard serves its page from the host and only forks its DHT client into the namespace
+        host_flag = "--dht-host" if roles[name] == "dashboard" else "--host"
+        assert clis[0][clis[0].index(host_flag) + 1] == peer["address"]
         assert any("p2pd" in " ".join(c) for c in cmds), (name, list(cmds))
         assert "tbf" in qdiscs[peer["netns"]] and "20Mbit" in qdiscs[peer["netns"]], qdiscs[peer["netns"]]
     # The demo's DHT client and daemon run in the observer slot, yet none of this process's threads stayed there.
@@ -102,6 +116,8 @@ def test_demo_runs_every_peer_in_its_own_capped_namespace_and_removes_them(tmp_p
     assert observer and not any("agora.cli" in c for c in observer.values())
     assert any("p2pd" in " ".join(c) for c in observer.values())
     assert homes == {home} and _threads_namespaces() == {home}
+    # The page, fetched from the host's loopback, shows the namespaced swarm serving.
+    assert any(p["state"] == "serving" for page in pages for st in page["stages"] for p in st["peers"]), pages[-1:]
     # Replica averaging and the end-of-run state download both went through the capped namespaces.
     assert summary["rounds_ok"] > 0
     div = summary["replica_divergence"]

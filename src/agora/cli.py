@@ -430,7 +430,8 @@ def dashboard(
 
     setup_logging(log_level)
     m = _manifest(manifest)
-    raise typer.Exit(_join_errors(lambda: run_dashboard(m, initial_peers, host, port, interval, summary, dht_host, dht_netns)))
+    raise typer.Exit(_join_errors(
+        lambda: run_dashboard(m, initial_peers, host, port, interval, summary, dht_host, dht_netns)))
 
 
 def main() -> None:  # pragma: no cover - console entry
