@@ -118,6 +118,66 @@ def make_pool(manifest: "Manifest | str" = "tiny", n_sequences: int = 240, seed:
 
 
 @dataclass
+class DriftTrace:
+    """Honest traffic of a model *while it trains*: per optimizer step, one microbatch message per sender.
+
+    ``fwd``/``bwd`` are [steps, senders, B, T, k], ``tokens`` [steps, senders, B, T], ``losses`` [steps]. Every
+    sender of a step shares that step's weights (replicas average) but draws its own data, exactly like honest
+    replicas of one stage; across steps the statistics drift as the model learns, which is what a live monitor has
+    to tolerate (a static pool cannot show it).
+    """
+
+    fwd: Tensor
+    bwd: Tensor
+    tokens: Tensor
+    losses: list
+
+    @property
+    def steps(self) -> int:
+        return self.fwd.shape[0]
+
+
+def make_drift_trace(manifest: "Manifest | str" = "tiny", steps: int = 240, senders: int = 3, seed: int = 0,
+                     boundary: int = 0) -> DriftTrace:
+    """Train the two stages around ``boundary`` for ``steps`` optimizer steps with the manifest's optimizer and
+    schedule (``build_optimizer``, ``lr_at``, per-stage gradient clipping, as a stage node does) on a batch of
+    ``senders`` microbatches per step, and record every microbatch's boundary coordinates and coordinate gradient
+    *before* that step's update. The gradient is scaled to what a tail computing the mean loss of one microbatch
+    returns (the whole batch's mean loss divides it by ``senders``)."""
+    from agora.optim import build_optimizer, set_lr
+
+    m = load_manifest(manifest) if isinstance(manifest, str) else manifest
+    torch.manual_seed(seed)
+    head, tail = Stage(m, boundary), Stage(m, boundary + 1)
+    if not (head.spec.is_head and tail.spec.is_tail):
+        raise ValueError("make_drift_trace needs a two-stage manifest (head and tail around the boundary)")
+    gen = torch.Generator().manual_seed(seed)
+    V, T, B = m.model.vocab_size, m.model.seq_len, m.batch.microbatch_size
+    probs = 1.0 / torch.arange(1, V + 1, dtype=torch.float64) ** 1.1
+    table = torch.randint(0, V, (V, 4), generator=gen)
+    opts = [build_optimizer(head, m.optimizer), build_optimizer(tail, m.optimizer)]
+    fwd, bwd, toks, losses = [], [], [], []
+    for step in range(steps):
+        tokens, targets = synthetic_batch(gen, V, senders * B, T, table, probs)
+        coords = head(tokens) @ head.basis
+        leaf = coords.detach().clone().requires_grad_(True)
+        x = decompress(Boundary(leaf, tokens.int(), "subspace"), tail.basis, tail.frozen_embed)
+        loss = tail.loss(tail(x), targets)
+        loss.backward()
+        coords.backward(leaf.grad)
+        for stage, opt in zip((head, tail), opts):
+            torch.nn.utils.clip_grad_norm_(list(stage.parameters()), m.optimizer.grad_clip)
+            set_lr(opt, m.optimizer, step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        fwd.append(coords.detach().reshape(senders, B, T, -1))
+        bwd.append((leaf.grad * senders).reshape(senders, B, T, -1))
+        toks.append(tokens.int().reshape(senders, B, T))
+        losses.append(float(loss.detach()))
+    return DriftTrace(torch.stack(fwd), torch.stack(bwd), torch.stack(toks), losses)
+
+
+@dataclass
 class StreamResult:
     kind: str
     strength: float
@@ -198,6 +258,69 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
     honest_banned = sum(monitor.banned(s) for s in senders if s != "attacker")
     attacker_banned = monitor.banned("attacker")
     return StreamResult(kind or "clean", strength, direction, attacker_banned if kind else False,
+                        delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
+
+
+def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = None, strength: float = 0.0,
+                     config: Optional[SentinelConfig] = None, attack_start: Optional[int] = None, seed: int = 0,
+                     senders: int = 3, messages_per_step: int = 1) -> StreamResult:
+    """A stream through a fresh monitor while the model trains: at each optimizer step of ``trace``,
+    ``messages_per_step`` of the ``senders`` (taken in turns, shuffled per cycle) each send their message of that
+    step. On ``tiny`` a swarm step is two microbatches, so a receiver sees about one message per step: every
+    message comes from a slightly newer model (the hardest case for a reference built from earlier messages).
+    The last sender is the attacker's seat (corrupting from step ``attack_start`` on when ``kind`` is given;
+    ``attack_start=None`` means a third of the way in); a banned attacker gets no more work."""
+    if senders > trace.fwd.shape[1]:
+        raise ValueError(f"the trace has {trace.fwd.shape[1]} senders, {senders} requested")
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    monitor = SentinelMonitor(config or SentinelConfig())
+    names = [f"honest-{i}" for i in range(senders - 1)] + ["attacker"]
+    start = trace.steps // 3 if attack_start is None else attack_start
+    state = AttackState()
+    tp = fp = fn = tn = 0
+    honest_flags = honest_msgs = 0
+    delay: Optional[int] = None
+    corrupted = 0
+    first_reasons: list = []
+    turn: list[int] = []
+    for step in range(trace.steps):
+        for _ in range(messages_per_step):
+            if not turn:
+                turn = list(range(senders))
+                rng.shuffle(turn)
+            slot = turn.pop()
+            who = names[slot]
+            if who == "attacker" and monitor.banned(who):
+                continue
+            coords, grad, tokens = trace.fwd[step, slot], trace.bwd[step, slot], trace.tokens[step, slot]
+            msg = coords if direction == "fwd" else grad
+            bad = False
+            if who == "attacker" and kind is not None:
+                if step >= start:
+                    msg, bad = apply_attack(kind, strength, msg, gen, state), True
+                    corrupted += 1
+                else:
+                    state.remember(msg)
+            v = monitor.observe(who, 0, direction, msg, step=step, tokens=tokens,
+                                paired=coords if direction == "bwd" else None)
+            if delay is None and corrupted and monitor.banned("attacker"):
+                delay = corrupted
+            if bad:
+                tp += v.flagged
+                fn += not v.flagged
+                if v.flagged and not first_reasons:
+                    first_reasons = v.reasons[:3]
+            else:
+                fp += v.flagged
+                tn += not v.flagged
+                if who != "attacker":
+                    honest_msgs += 1
+                    honest_flags += v.flagged
+                    if v.flagged and kind is None and not first_reasons:
+                        first_reasons = v.reasons[:3]
+    honest_banned = sum(monitor.banned(s) for s in names if s != "attacker")
+    return StreamResult(kind or "clean", strength, direction, monitor.banned("attacker") if kind else False,
                         delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
 
 

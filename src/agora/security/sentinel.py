@@ -90,6 +90,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
@@ -111,14 +112,17 @@ class SentinelConfig:
 
     seed: int = 0  # run seed: the random projections and replay sub-sample (all honest receivers may share it)
     warmup: int = 48  # pooled messages per (boundary, direction) before any statistical flag
-    beta: float = 0.98  # reference EMA decay (accepted messages only)
+    window: int = 32  # recently accepted messages kept; their successive differences give the spread
+    centre: int = 8  # the reference centre is the median of this many most recent accepted messages
+    common_recent: int = 12  # a sender's last z counts for the common-mode check if this many stream messages old
+    reanchor_after: int = 12  # stream messages in a row without one accepted: the reference is re-anchored
     kappa: float = 6.0  # per-message robust z threshold
     cusum_k: float = 1.0  # CUSUM slack, in sigmas
     cusum_h: float = 15.0  # CUSUM alarm level
     cusum_strikes: int = 3  # a confirmed alarm is accumulated evidence: by default it bans on its own
     cusum_peer_min: float = 1.0  # ... confirmed = the sender's EMA is this many sds off the peer median, same side
-    trust_cusum: float = 8.0  # a sender whose CUSUM exceeds this does not update the reference
-    peer_beta: float = 0.95  # per-sender EMA decay for the peer-relative test
+    trust_cusum: float = 8.0  # a sender whose CUSUM exceeds this does not enter the reference window
+    peer_beta: float = 0.95  # per-sender EMA decay of z for the peer-relative test
     peer_kappa: float = 6.0  # threshold, in sds of the difference of two honest senders' EMAs
     peer_min_senders: int = 3
     peer_min_messages: int = 8  # a sender's EMA is compared only after this many of its messages
@@ -160,11 +164,13 @@ class _Sender:
     n: int = 0
     last_seen: int = 0
     banned: bool = False
-    strikes: deque = field(default_factory=deque)  # sender message indices of strikes
+    strikes: deque = field(default_factory=deque)  # (sender message index, stream index, statistical?) per strike
     flags: int = 0
     cusum_pos: Optional[np.ndarray] = None
     cusum_neg: Optional[np.ndarray] = None
-    ema: Optional[np.ndarray] = None
+    ema: Optional[np.ndarray] = None  # EMA of the sender's clipped z (peer-relative test)
+    last_z: Optional[np.ndarray] = None  # z of its latest message (common-mode check)
+    last_at: int = 0  # stream index of that message
     ema_n: int = 0
 
 
@@ -173,11 +179,15 @@ class _Stream:
     warm: list = field(default_factory=list)  # [(sender, _Raw)] until ready
     ready: bool = False
     n: int = 0
-    mu: Optional[np.ndarray] = None
-    var: Optional[np.ndarray] = None
-    active: Optional[np.ndarray] = None  # features seen during warm-up; the others are never scored
-    vec_mu: dict = field(default_factory=dict)  # VECTORS name -> per-channel reference mean
-    vec_var: dict = field(default_factory=dict)  # VECTORS name -> per-channel reference variance
+    mu: Optional[np.ndarray] = None  # per-feature reference median (of the window)
+    sd: Optional[np.ndarray] = None  # per-feature robust spread (1.4826 x MAD, floored)
+    active: Optional[np.ndarray] = None  # features present in the reference; the others are never scored
+    vec_mu: dict = field(default_factory=dict)  # VECTORS name -> per-channel reference median
+    vec_var: dict = field(default_factory=dict)  # VECTORS name -> per-channel reference spread, squared
+    window: deque = field(default_factory=deque)  # recently accepted _Raw messages (maxlen set by the monitor)
+    recent: deque = field(default_factory=deque)  # every recent scored _Raw, accepted or not (re-anchoring)
+    accepted_at: dict = field(default_factory=dict)  # sender -> stream index of its latest accepted message
+    last_accept: int = 0  # stream index of the latest accepted message (any sender)
     senders: dict = field(default_factory=dict)
     digests: deque = field(default_factory=deque)  # (simhash, sender, token_digest)
 
@@ -293,7 +303,10 @@ class SentinelMonitor:
     def _observe(self, sender, boundary, direction, tensor, tokens, paired) -> Verdict:
         if sender in self._banned:
             return Verdict(True, True, 0.0, ["banned"])  # never scored again: it cannot move any statistic
-        stream = self._streams.setdefault((boundary, direction), _Stream())
+        stream = self._streams.get((boundary, direction))
+        if stream is None:
+            stream = self._streams[(boundary, direction)] = _Stream(
+                window=deque(maxlen=self.cfg.window), recent=deque(maxlen=self.cfg.centre))
         stream.n += 1
         st = stream.senders.setdefault(sender, _Sender())
         st.n += 1
@@ -341,94 +354,172 @@ class SentinelMonitor:
             self._proj[k] = (p / p.norm(dim=1, keepdim=True)).numpy()
         return self._proj[k]
 
-    def _finish_warmup(self, stream: _Stream, sender: str) -> Verdict:
-        warm, stream.warm = stream.warm, []
+    def _set_reference(self, stream: _Stream, raws: list[_Raw], pooled: bool = False) -> None:
+        """The reference centre and per-feature spread, from ``raws`` in arrival order.
+
+        Why not an EMA of accepted messages: honest statistics drift as the model trains, early on by many honest
+        spreads per optimizer step (measured on ``tiny``: the forward rms moves by ~0.16 in log per step for the
+        first steps, against a spread of 0.01-0.05 between replicas at one step). An EMA lags such drift by
+        ~1/(1-beta) messages; once the lag exceeds the threshold every honest message is flagged, none is
+        accepted, the reference never catches up, and honest senders are banned (what happened in live runs).
+
+        Instead the centre is the median of the last ``centre`` accepted messages (a lag of a few messages, robust
+        to a minority of sub-threshold attacker messages) and the spread is the median absolute *successive
+        difference* of the last ``window`` accepted messages / sqrt(2): for iid messages that is the honest
+        spread, and under drift it grows by the drift per message, so the threshold widens exactly as much as the
+        drift between a message and its reference. Both are per feature: each is calibrated by its own measured
+        spread. ``pooled`` (the warm-up, which may hold an attacker's messages interleaved with honest ones, where
+        successive differences would mostly straddle the two): plain median / MAD of all of them instead.
+        """
+        def spread(x: np.ndarray) -> np.ndarray:
+            if pooled or x.shape[0] < 3:
+                return 1.4826 * np.median(np.abs(x - np.median(x, axis=0)), axis=0)
+            return 1.4826 * np.median(np.abs(np.diff(x, axis=0)), axis=0) / math.sqrt(2)
+
+        n_centre = len(raws) if pooled else self.cfg.centre
         for name in VECTORS:
-            vecs = np.stack([getattr(r, name) for _, r in warm])
-            stream.vec_mu[name] = np.median(vecs, axis=0)
-            stream.vec_var[name] = (1.4826 * np.median(np.abs(vecs - stream.vec_mu[name]), axis=0)) ** 2
-        feats = np.stack([self._features(stream, r) for _, r in warm])
-        mu, var = np.zeros(feats.shape[1]), np.zeros(feats.shape[1])
+            vecs = np.stack([getattr(r, name) for r in raws])
+            stream.vec_mu[name] = np.median(vecs[-n_centre:], axis=0)
+            stream.vec_var[name] = spread(vecs) ** 2
+        feats = np.stack([self._features(stream, r) for r in raws])
+        mu, sd = np.zeros(feats.shape[1]), np.full(feats.shape[1], self.cfg.sigma_floor)
         active = np.zeros(feats.shape[1], dtype=bool)
         for j in range(feats.shape[1]):
-            col = feats[np.isfinite(feats[:, j]), j]
-            # A feature absent from most of the warm-up (pair_align without pairs) is never scored: it would have
-            # no honest reference to be compared with.
-            if col.size >= max(3, len(warm) // 2):
+            ok = np.isfinite(feats[:, j])
+            # A feature absent from most of the reference messages (pair_align without pairs) is not scored: it
+            # would have no honest reference to be compared with.
+            if ok.sum() >= max(3, len(raws) // 2):
+                col = feats[ok, j]
                 active[j] = True
-                mu[j] = np.median(col)
-                var[j] = (1.4826 * np.median(np.abs(col - mu[j]))) ** 2
-        stream.mu, stream.var, stream.active = mu, var, active
-        stream.ready = True
-        # Re-score the warm-up messages: an attacker present from the start is struck now, and honest warm-up
-        # messages seed the reference EMAs and the per-sender EMAs / CUSUMs exactly as later messages would.
-        verdict = Verdict(False, False, 0.0, [])
-        for who, raw in warm:
-            st = stream.senders.setdefault(who, _Sender())
-            v = self._score(stream, who, st, raw, [])
-            if who == sender:
-                verdict = v
-        verdict.banned = sender in self._banned
-        return verdict
+                mu[j] = np.median(col[-n_centre:])
+                sd[j] = max(float(spread(col[:, None])[0]), self.cfg.sigma_floor)
+        stream.mu, stream.sd, stream.active = mu, sd, active
 
-    def _score(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str]) -> Verdict:
+    def _finish_warmup(self, stream: _Stream, sender: str) -> Verdict:
+        warm, stream.warm = stream.warm, []
+        raws = [r for _, r in warm]
+        self._set_reference(stream, raws, pooled=True)
+        # The warm-up spans many optimizer steps of a model that may be training fast, so one pooled centre would
+        # make its first messages look like outliers. Each warm-up message is instead compared with the rolling
+        # median of the messages around it (same time, mostly other senders: robust to an attacker's minority
+        # share), and the spread is the MAD of those residuals, drift removed.
+        feats = np.stack([self._features(stream, r) for r in raws])
+        half = self.cfg.centre // 2
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: features without a value
+            local = np.stack([np.nanmedian(feats[max(0, t - half): t + half + 1], axis=0)
+                              for t in range(len(raws))])
+        resid = feats - local
+        for j in np.flatnonzero(stream.active):
+            col = resid[np.isfinite(resid[:, j]), j]
+            stream.sd[j] = max(1.4826 * float(np.median(np.abs(col - np.median(col)))), self.cfg.sigma_floor)
+        stream.ready = True
+        # Warm-up messages that stand out from their neighbours do not seed the window (an attacker present from
+        # the start does not become the reference), but they earn no strikes: early in training the model changes
+        # so fast between steps (measured: the mean direction of the forward coordinates turns by tens of honest
+        # spreads per step in the first ~20 steps of ``tiny``) that a pooled look back cannot tell an attacker
+        # from an early message. Judgement starts with the next message, against the window, with peers.
+        z = np.where(np.isfinite(resid) & stream.active, np.nan_to_num(resid) / stream.sd, 0.0)
+        keep = [raw for raw, zi in zip(raws, z) if np.max(np.abs(zi)) <= self.cfg.kappa]
+        for who, _ in warm:
+            stream.senders.setdefault(who, _Sender())
+            stream.accepted_at[who] = stream.n
+        stream.last_accept = stream.n
+        stream.window.extend(keep if len(keep) >= 3 else raws)
+        stream.recent.extend(raws[-self.cfg.centre:])
+        self._set_reference(stream, list(stream.window))
+        return Verdict(False, sender in self._banned, 0.0, [])
+
+    def _trusted(self, st: _Sender) -> bool:
+        return st.cusum_pos is None or max(st.cusum_pos.max(), st.cusum_neg.max()) <= self.cfg.trust_cusum
+
+    def _reanchor(self, stream: _Stream) -> None:
+        """Nobody's message has been accepted for ``reanchor_after`` messages: the model moved faster than the
+        reference (a shift every sender shares, e.g. a loss spike or the end of the learning-rate warm-up), not
+        an attack by everybody. Restart the reference from the latest messages, whatever their verdict, and
+        forget the statistical strikes earned against the stale reference."""
+        stream.window.clear()
+        stream.window.extend(stream.recent)
+        self._set_reference(stream, list(stream.window), pooled=True)
+        stream.last_accept = stream.n
+        for st in stream.senders.values():
+            st.strikes = deque(x for x in st.strikes if not x[2])
+            st.cusum_pos = st.cusum_neg = None
+
+    def _score(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str],
+               update: bool = True, centre: Optional[np.ndarray] = None) -> Verdict:
+        """Score one message; ``centre`` replaces the reference centre (warm-up: the local rolling median)."""
         cfg = self.cfg
+        if update and stream.n - stream.last_accept > cfg.reanchor_after and len(stream.recent) >= 3:
+            self._reanchor(stream)
         phi = self._features(stream, raw)
         known = np.isfinite(phi) & stream.active
-        sigma = np.maximum(np.sqrt(stream.var), cfg.sigma_floor)
-        z = np.where(known, (np.nan_to_num(phi) - stream.mu) / sigma, 0.0)
+        z = np.where(known, (np.nan_to_num(phi) - (stream.mu if centre is None else centre)) / stream.sd, 0.0)
         score = float(np.max(np.abs(z)))
         names = self.feature_names
+        # Common mode: with enough recent senders, a feature counts as deviant only if this message also stands
+        # out from what the senders sent at about the same time (the median of their latest z, this one
+        # included). A shift they all share is the model training faster than the reference follows.
+        recent = [s.last_z for p, s in stream.senders.items()
+                  if s is not st and s.last_z is not None and not s.banned and p not in self._banned
+                  and stream.n - s.last_at <= cfg.common_recent]
+        common = np.median(np.stack([z, *recent]), axis=0) if len(recent) + 1 >= cfg.peer_min_senders else None
+        st.last_z, st.last_at = z, stream.n
         for i in np.flatnonzero(np.abs(z) > cfg.kappa):
-            reasons.append(f"{names[i]} z={z[i]:+.1f}")
+            if common is None or abs(z[i] - common[i]) > cfg.kappa:
+                reasons.append(f"{names[i]} z={z[i]:+.1f}")
+        if update:
+            stream.recent.append(raw)
 
-        # Peer-relative test: this sender's EMA vs the median EMA of the active senders of this stream.
-        filled = np.where(known, phi, stream.mu)
-        st.ema = (1 - cfg.peer_beta) * filled + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
+        # Peer-relative evidence works on z, not on raw features: z is measured against the drifting reference, so
+        # a shift every sender shares (the model training) cancels in the comparison with the peers, while a
+        # sender that deviates from its peers at the same time keeps its offset.
+        zc = np.clip(z, -cfg.kappa, cfg.kappa)
+        st.ema = (1 - cfg.peer_beta) * zc + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
         st.ema_n += 1
-        dev = self._peer_deviation(stream, st, sigma)
-        if dev is not None:
+        peer = self._peer_centre(stream, st)
+        dev = None
+        if peer is not None:
+            b, n = cfg.peer_beta, min(st.ema_n, 10_000)
+            # sd of a bias-corrected EMA of n unit-variance z; x sqrt(2): the centre is some other sender's EMA.
+            ema_sd = math.sqrt(2 * (1 - b) * (1 - b ** (2 * n)) / ((1 + b) * (1 - b**n) ** 2))
+            dev = (self._unbiased(st) - peer) / ema_sd
             reasons.extend(f"peer:{names[i]} d={dev[i]:+.1f}" for i in np.flatnonzero(np.abs(dev) > cfg.peer_kappa))
 
-        # CUSUM on clipped z: small persistent shifts add up, one outlier cannot trip it on its own. An alarm counts
-        # only if this sender also stands out from its peers in that direction: a shift all senders share is the
-        # model drifting away from a lagging reference, not an attack (without peers, the alarm counts).
-        zc = np.clip(z, -cfg.kappa, cfg.kappa)
-        if st.cusum_pos is None:
-            st.cusum_pos, st.cusum_neg = np.zeros_like(z), np.zeros_like(z)
-        st.cusum_pos = np.maximum(0.0, st.cusum_pos + zc - cfg.cusum_k)
-        st.cusum_neg = np.maximum(0.0, st.cusum_neg - zc - cfg.cusum_k)
+            # CUSUM on this message's z *relative to its peers*: small persistent offsets add up, a drift all
+            # senders share does not, one outlier cannot trip it on its own. Without enough peers there is no
+            # CUSUM (with two senders one cannot tell which of them is off), only the per-message test.
+            u = np.clip(zc - peer, -cfg.kappa, cfg.kappa)
+            if st.cusum_pos is None:
+                st.cusum_pos, st.cusum_neg = np.zeros_like(z), np.zeros_like(z)
+            st.cusum_pos = np.maximum(0.0, st.cusum_pos + u - cfg.cusum_k)
+            st.cusum_neg = np.maximum(0.0, st.cusum_neg - u - cfg.cusum_k)
         alarm = []
-        for sign, acc in ((1, st.cusum_pos), (-1, st.cusum_neg)):
-            for i in np.flatnonzero(acc > cfg.cusum_h):
-                if dev is None or sign * dev[i] >= cfg.cusum_peer_min:
-                    alarm.append(f"cusum:{names[i]}{'+' if sign > 0 else '-'}")
-                acc[i] = 0.0
+        if st.cusum_pos is not None:
+            for sign, acc in ((1, st.cusum_pos), (-1, st.cusum_neg)):
+                for i in np.flatnonzero(acc > cfg.cusum_h):
+                    if dev is not None and sign * dev[i] >= cfg.cusum_peer_min:
+                        alarm.append(f"cusum:{names[i]}{'+' if sign > 0 else '-'}")
+                    acc[i] = 0.0
         if alarm:
             reasons.extend(alarm)
             st.cusum_pos[:] = 0.0
             st.cusum_neg[:] = 0.0
 
         if reasons:
-            return self._strike(stream, sender, st, reasons, score, weight=cfg.cusum_strikes if alarm else 1)
-        if max(st.cusum_pos.max(), st.cusum_neg.max()) > cfg.trust_cusum:
-            # Accepted but from a sender accumulating evidence: it may not move the reference (a persistent
-            # small bias would otherwise drag the reference towards itself and hide).
-            return Verdict(False, st.banned or sender in self._banned, score, [])
-        # Accepted from a sender in good standing: only now may the message move the reference.
-        a = 1.0 - cfg.beta
-        d = np.where(known, phi - stream.mu, 0.0)
-        stream.mu = stream.mu + a * d
-        stream.var = (1 - a) * (stream.var + a * d * d)
-        for name in VECTORS:
-            dv = getattr(raw, name) - stream.vec_mu[name]
-            stream.vec_mu[name] = stream.vec_mu[name] + a * dv
-            stream.vec_var[name] = (1 - a) * (stream.vec_var[name] + a * dv * dv)
+            return self._strike(stream, sender, st, reasons, score, weight=cfg.cusum_strikes if alarm else 1,
+                                statistical=True)
+        if update and self._trusted(st):
+            # Accepted from a sender in good standing: only now may the message enter the reference window (a
+            # sender accumulating evidence could otherwise drag the reference towards itself and hide).
+            stream.window.append(raw)
+            stream.accepted_at[sender] = stream.last_accept = stream.n
+            self._set_reference(stream, list(stream.window))
         return Verdict(False, st.banned or sender in self._banned, score, [])
 
-    def _peer_deviation(self, stream: _Stream, st: _Sender, sigma: np.ndarray) -> Optional[np.ndarray]:
-        """(this sender's EMA - median of the active senders' EMAs) in sds of an honest difference; None when
-        there are too few senders (or messages) to compare."""
+    def _peer_centre(self, stream: _Stream, st: _Sender) -> Optional[np.ndarray]:
+        """Median of the active senders' (bias-corrected) z EMAs; None when there are too few senders or
+        messages to compare (with 2 senders one cannot say which is wrong)."""
         cfg = self.cfg
         if st.ema_n < cfg.peer_min_messages:
             return None
@@ -439,23 +530,28 @@ class SentinelMonitor:
         ]
         if len(peers) < cfg.peer_min_senders:
             return None
-        med = np.median(np.stack(peers), axis=0)
-        # sd of a bias-corrected EMA of n iid messages; x sqrt(2) because the median is another sender's EMA.
-        b, n = cfg.peer_beta, min(st.ema_n, 10_000)
-        ema_sd = sigma * math.sqrt(2 * (1 - b) * (1 - b ** (2 * n)) / ((1 + b) * (1 - b**n) ** 2))
-        return (self._unbiased(st) - med) / ema_sd
+        return np.median(np.stack(peers), axis=0)
 
     def _unbiased(self, st: _Sender) -> np.ndarray:
         return st.ema / (1 - self.cfg.peer_beta ** min(st.ema_n, 10_000))
 
     def _strike(self, stream: _Stream, sender: str, st: _Sender, reasons: list[str], score: float,
-                hard: bool = False, weight: int = 1) -> Verdict:
+                hard: bool = False, weight: int = 1, statistical: bool = False) -> Verdict:
+        """Record a strike; ban on ``strikes_to_ban`` within ``strike_window`` of the sender's messages.
+
+        A statistical strike bans only if some *other* sender's message was accepted since the oldest counted
+        strike: then the reference was alive and tracking honest traffic while this sender kept failing it.
+        Without that, the strikes may all come from a reference the model has outrun (every sender failing it);
+        they wait, and a re-anchoring forgets them.
+        """
         cfg = self.cfg
         st.flags += 1
-        st.strikes.extend([st.n] * weight)
-        while st.strikes and st.strikes[0] <= st.n - cfg.strike_window:
+        st.strikes.extend([(st.n, stream.n, statistical)] * weight)
+        while st.strikes and st.strikes[0][0] <= st.n - cfg.strike_window:
             st.strikes.popleft()
-        if hard or len(st.strikes) >= cfg.strikes_to_ban:
+        alive = not statistical or max(
+            (at for who, at in stream.accepted_at.items() if who != sender), default=-1) >= st.strikes[0][1]
+        if hard or (len(st.strikes) >= cfg.strikes_to_ban and alive):
             st.banned = True
             self._banned.add(sender)
         return Verdict(True, st.banned or sender in self._banned, score, reasons)
