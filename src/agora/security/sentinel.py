@@ -120,7 +120,7 @@ class SentinelConfig:
     cusum_k: float = 1.0  # CUSUM slack, in sigmas
     cusum_h: float = 15.0  # CUSUM alarm level
     cusum_strikes: int = 3  # a confirmed alarm is accumulated evidence: by default it bans on its own
-    cusum_peer_min: float = 1.0  # ... confirmed = the sender's EMA is this many sds off the peer median, same side
+    cusum_peer_min: float = 3.0  # ... confirmed = the sender's EMA is this many sds off the peer median, same side
     trust_cusum: float = 8.0  # a sender whose CUSUM exceeds this does not enter the reference window
     peer_beta: float = 0.95  # per-sender EMA decay of z for the peer-relative test
     peer_kappa: float = 6.0  # threshold, in sds of the difference of two honest senders' EMAs
@@ -133,7 +133,7 @@ class SentinelConfig:
     sigma_floor: float = 1e-3  # features are scale-free; a constant honest feature still gets a finite sigma
     nonfinite_bans: bool = True  # NaN/Inf bans at once (it is never an honest statistical fluctuation)
     replay_bits: int = 64
-    replay_max_distance: int = 8  # Hamming distance (of replay_bits) that counts as the same message
+    replay_max_distance: int = 2  # Hamming distance (of replay_bits) that counts as the same message (live: 8 matched honest gradients)
     replay_memory: int = 1024  # recent digests kept per (boundary, direction)
     replay_sample: int = 2048  # entries of the message hashed
 
@@ -157,6 +157,7 @@ class _Raw:
     skew: np.ndarray  # [k] per-channel skewness
     profile: np.ndarray  # [k] per-channel rms / rms
     pair_align: float
+    t: float = 0.0  # when it was received: the receiver's optimizer step, else the stream's message index
 
 
 @dataclass
@@ -179,7 +180,10 @@ class _Stream:
     warm: list = field(default_factory=list)  # [(sender, _Raw)] until ready
     ready: bool = False
     n: int = 0
-    mu: Optional[np.ndarray] = None  # per-feature reference median (of the window)
+    mu: Optional[np.ndarray] = None  # per-feature reference centre at time t_ref
+    slope: Optional[np.ndarray] = None  # per-feature drift per unit of time (step), robustly fitted on the window
+    t_ref: float = 0.0
+    t_span: float = 0.0  # time the window covers: the centre is extrapolated at most this far
     sd: Optional[np.ndarray] = None  # per-feature robust spread (1.4826 x MAD, floored)
     active: Optional[np.ndarray] = None  # features present in the reference; the others are never scored
     vec_mu: dict = field(default_factory=dict)  # VECTORS name -> per-channel reference median
@@ -188,8 +192,22 @@ class _Stream:
     recent: deque = field(default_factory=deque)  # every recent scored _Raw, accepted or not (re-anchoring)
     accepted_at: dict = field(default_factory=dict)  # sender -> stream index of its latest accepted message
     last_accept: int = 0  # stream index of the latest accepted message (any sender)
+    pending: list = field(default_factory=list)  # _Pending strikes awaiting the peers' next messages
     senders: dict = field(default_factory=dict)
     digests: deque = field(default_factory=deque)  # (simhash, sender, token_digest)
+
+
+@dataclass
+class _Pending:
+    """A per-message flag whose strike waits for the other senders' next messages (see ``_settle``)."""
+
+    sender: str
+    at: int  # stream index of the flagged message
+    feats: np.ndarray  # indices of the flagged features
+    sign: np.ndarray  # their signs
+    reasons: list
+    need: int  # other senders that must send un-shifted messages to confirm it
+    others: set = field(default_factory=set)
 
 
 def _seed(*parts: object) -> int:
@@ -270,7 +288,7 @@ class SentinelMonitor:
         if direction not in ("fwd", "bwd"):
             raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
         with self._lock:
-            return self._observe(str(sender), int(boundary), direction, tensor, tokens, paired)
+            return self._observe(str(sender), int(boundary), direction, tensor, tokens, paired, step)
 
     def banned(self, sender: str) -> bool:
         return str(sender) in self._banned
@@ -291,16 +309,19 @@ class SentinelMonitor:
     def summary(self) -> dict:
         """Counts for metrics / the dashboard: per stream, messages seen and per-sender flags / ban state."""
         out = {}
-        for (b, d), s in self._streams.items():
+        with self._lock:  # observe() runs on worker threads; a stream may be added meanwhile
+            streams = list(self._streams.items())
+        for (b, d), s in streams:
             out[f"{b}/{d}"] = {
                 "messages": s.n,
                 "ready": s.ready,
-                "senders": {p: {"n": st.n, "flags": st.flags, "banned": st.banned} for p, st in s.senders.items()},
+                "senders": {p: {"n": st.n, "flags": st.flags, "banned": st.banned}
+                            for p, st in list(s.senders.items())},
             }
         return out
 
     # ------------------------------------------------------------------ internals
-    def _observe(self, sender, boundary, direction, tensor, tokens, paired) -> Verdict:
+    def _observe(self, sender, boundary, direction, tensor, tokens, paired, step=None) -> Verdict:
         if sender in self._banned:
             return Verdict(True, True, 0.0, ["banned"])  # never scored again: it cannot move any statistic
         stream = self._streams.get((boundary, direction))
@@ -315,6 +336,7 @@ class SentinelMonitor:
             return self._strike(stream, sender, st, ["non_finite"], math.inf, hard=self.cfg.nonfinite_bans)
 
         raw = fingerprint(tensor, paired)
+        raw.t = float(step) if step is not None else float(stream.n)
         reasons = self._replay_check(stream, sender, tensor, tokens)
         if not stream.ready:
             stream.warm.append((sender, raw))
@@ -382,17 +404,33 @@ class SentinelMonitor:
             stream.vec_mu[name] = np.median(vecs[-n_centre:], axis=0)
             stream.vec_var[name] = spread(vecs) ** 2
         feats = np.stack([self._features(stream, r) for r in raws])
+        t = np.array([r.t for r in raws])
+        t_ref = float(np.median(t[-n_centre:]))
+        # Theil-Sen slope (median of pairwise slopes) per feature over the window: the model's drift per step,
+        # robust to a minority of odd messages. Pairs at the same time carry no slope.
+        i, k = np.triu_indices(len(raws), 1)
+        dt = t[k] - t[i]
+        pairs = dt != 0
         mu, sd = np.zeros(feats.shape[1]), np.full(feats.shape[1], self.cfg.sigma_floor)
+        slope = np.zeros(feats.shape[1])
         active = np.zeros(feats.shape[1], dtype=bool)
         for j in range(feats.shape[1]):
             ok = np.isfinite(feats[:, j])
             # A feature absent from most of the reference messages (pair_align without pairs) is not scored: it
             # would have no honest reference to be compared with.
-            if ok.sum() >= max(3, len(raws) // 2):
-                col = feats[ok, j]
-                active[j] = True
-                mu[j] = np.median(col[-n_centre:])
-                sd[j] = max(float(spread(col[:, None])[0]), self.cfg.sigma_floor)
+            if ok.sum() < max(3, len(raws) // 2):
+                continue
+            active[j] = True
+            col = feats[:, j]
+            if not pooled:
+                sel = pairs & ok[i] & ok[k]
+                if sel.sum() >= 3:
+                    slope[j] = float(np.median((col[k[sel]] - col[i[sel]]) / dt[sel]))
+            detr = col[ok] - slope[j] * (t[ok] - t_ref)
+            mu[j] = np.median(detr[-n_centre:])
+            resid = detr[:, None]
+            sd[j] = max(float(spread(resid)[0]), self.cfg.sigma_floor)
+        stream.slope, stream.t_ref, stream.t_span = slope, t_ref, float(t.max() - t.min())
         stream.mu, stream.sd, stream.active = mu, sd, active
 
     def _finish_warmup(self, stream: _Stream, sender: str) -> Verdict:
@@ -433,30 +471,39 @@ class SentinelMonitor:
     def _trusted(self, st: _Sender) -> bool:
         return st.cusum_pos is None or max(st.cusum_pos.max(), st.cusum_neg.max()) <= self.cfg.trust_cusum
 
-    def _reanchor(self, stream: _Stream) -> None:
-        """Nobody's message has been accepted for ``reanchor_after`` messages: the model moved faster than the
-        reference (a shift every sender shares, e.g. a loss spike or the end of the learning-rate warm-up), not
-        an attack by everybody. Restart the reference from the latest messages, whatever their verdict, and
-        forget the statistical strikes earned against the stale reference."""
-        stream.window.clear()
-        stream.window.extend(stream.recent)
-        self._set_reference(stream, list(stream.window), pooled=True)
+    def _reanchor(self, stream: _Stream, stalled: bool = False) -> None:
+        """The model moved faster than the reference: a shift every sender shares (e.g. a loss spike or the end
+        of the learning-rate warm-up), not an attack by everybody. Move the reference to the latest messages,
+        whatever their verdict, added to the window (the centre is a median and the drift a median of slopes, so a
+        minority of odd messages barely moves them). ``stalled``: nobody's
+        message was accepted for ``reanchor_after`` messages, so the statistical strikes earned since the last
+        accepted one were earned against a stale reference and are forgotten."""
+        stream.window.extend(r for r in stream.recent if all(r is not w for w in stream.window))
+        self._set_reference(stream, list(stream.window))
+        if stalled:
+            for st in stream.senders.values():
+                st.strikes = deque(x for x in st.strikes if not (x[2] and x[1] > stream.last_accept))
+            stream.pending.clear()
         stream.last_accept = stream.n
-        for st in stream.senders.values():
-            st.strikes = deque(x for x in st.strikes if not x[2])
-            st.cusum_pos = st.cusum_neg = None
 
     def _score(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str],
                update: bool = True, centre: Optional[np.ndarray] = None) -> Verdict:
         """Score one message; ``centre`` replaces the reference centre (warm-up: the local rolling median)."""
         cfg = self.cfg
         if update and stream.n - stream.last_accept > cfg.reanchor_after and len(stream.recent) >= 3:
-            self._reanchor(stream)
+            self._reanchor(stream, stalled=True)
         phi = self._features(stream, raw)
         known = np.isfinite(phi) & stream.active
-        z = np.where(known, (np.nan_to_num(phi) - (stream.mu if centre is None else centre)) / stream.sd, 0.0)
+        z = self._z(stream, raw, phi, known, centre)
+        if update and self._settle(stream, sender, z):
+            # Another sender's flag turned out to be shared by this message: the model moved, the reference is
+            # stale. It was re-anchored on the latest messages; judge this one against the new reference.
+            phi = self._features(stream, raw)
+            known = np.isfinite(phi) & stream.active
+            z = self._z(stream, raw, phi, known, None)
         score = float(np.max(np.abs(z)))
         names = self.feature_names
+        replay = list(reasons)
         # Common mode: with enough recent senders, a feature counts as deviant only if this message also stands
         # out from what the senders sent at about the same time (the median of their latest z, this one
         # included). A shift they all share is the model training faster than the reference follows.
@@ -465,9 +512,10 @@ class SentinelMonitor:
                   and stream.n - s.last_at <= cfg.common_recent]
         common = np.median(np.stack([z, *recent]), axis=0) if len(recent) + 1 >= cfg.peer_min_senders else None
         st.last_z, st.last_at = z, stream.n
-        for i in np.flatnonzero(np.abs(z) > cfg.kappa):
-            if common is None or abs(z[i] - common[i]) > cfg.kappa:
-                reasons.append(f"{names[i]} z={z[i]:+.1f}")
+        flagged = [i for i in np.flatnonzero(np.abs(z) > cfg.kappa)
+                   if common is None or abs(z[i] - common[i]) > cfg.kappa]
+        flag_reasons = [f"{names[i]} z={z[i]:+.1f}" for i in flagged]
+        reasons = []
         if update:
             stream.recent.append(raw)
 
@@ -506,9 +554,26 @@ class SentinelMonitor:
             st.cusum_pos[:] = 0.0
             st.cusum_neg[:] = 0.0
 
-        if reasons:
-            return self._strike(stream, sender, st, reasons, score, weight=cfg.cusum_strikes if alarm else 1,
-                                statistical=True)
+        if replay or reasons:
+            # Replays and peer-relative evidence (EMA test, CUSUM) are already judged against the peers: strike now.
+            return self._strike(stream, sender, st, [*replay, *flag_reasons, *reasons], score,
+                                weight=cfg.cusum_strikes if alarm else 1, statistical=not replay)
+        if flagged:
+            # A per-message flag: the message is dropped now, but whether it is this sender's fault or a shift of
+            # the whole stream (the first sender to show a common drift has no peer evidence yet) is decided by
+            # the other senders' next messages.
+            st.flags += 1
+            if update:
+                others = {p for p, s in stream.senders.items()
+                          if s is not st and not s.banned and p not in self._banned
+                          and stream.n - s.last_at <= cfg.peer_active_window}
+                if others:
+                    idx = np.array(flagged)
+                    stream.pending.append(_Pending(sender, stream.n, idx, np.sign(z[idx]), flag_reasons,
+                                                   min(len(others), cfg.peer_min_senders - 1)))
+                else:  # nobody to compare with: the flag stands on its own
+                    return self._strike(stream, sender, st, flag_reasons, score, statistical=True, counted=True)
+            return Verdict(True, st.banned or sender in self._banned, score, flag_reasons)
         if update and self._trusted(st):
             # Accepted from a sender in good standing: only now may the message enter the reference window (a
             # sender accumulating evidence could otherwise drag the reference towards itself and hide).
@@ -516,6 +581,42 @@ class SentinelMonitor:
             stream.accepted_at[sender] = stream.last_accept = stream.n
             self._set_reference(stream, list(stream.window))
         return Verdict(False, st.banned or sender in self._banned, score, [])
+
+    def _z(self, stream: _Stream, raw: _Raw, phi: np.ndarray, known: np.ndarray,
+           centre: Optional[np.ndarray]) -> np.ndarray:
+        if centre is None:
+            # The window's centre, moved along the fitted drift to this message's time (not beyond the window's
+            # own time span: a receiver idle for long should not extrapolate a trend into the void).
+            centre = stream.mu + stream.slope * float(np.clip(raw.t - stream.t_ref, -stream.t_span, stream.t_span))
+        return np.where(known, (np.nan_to_num(phi) - centre) / stream.sd, 0.0)
+
+    def _settle(self, stream: _Stream, sender: str, z: np.ndarray) -> bool:
+        """Decide the pending flags of other senders with this message's z. A flag this message shares (same
+        features beyond kappa/2, same signs) was a shift of the whole stream: dismissed, and the reference is
+        re-anchored (returns True). A flag that ``need`` other senders' messages did not share, or that waited
+        ``common_recent`` messages, becomes a strike: its sender stood out from its peers at the same time."""
+        cfg = self.cfg
+        shared, keep = False, []
+        for p in stream.pending:
+            if p.sender == sender or p.sender in self._banned:
+                if p.sender == sender:
+                    keep.append(p)
+                continue
+            if np.all(np.abs(z[p.feats]) > cfg.kappa / 2) and np.all(np.sign(z[p.feats]) == p.sign):
+                shared = True
+                continue
+            p.others.add(sender)
+            if len(p.others) < p.need and stream.n - p.at <= cfg.common_recent:
+                keep.append(p)
+                continue
+            st = stream.senders.get(p.sender)
+            if st is not None:
+                self._strike(stream, p.sender, st, p.reasons, 0.0, statistical=True, counted=True)
+        stream.pending = keep
+        if shared:
+            stream.pending = [p for p in stream.pending if p.sender != sender]
+            self._reanchor(stream)
+        return shared
 
     def _peer_centre(self, stream: _Stream, st: _Sender) -> Optional[np.ndarray]:
         """Median of the active senders' (bias-corrected) z EMAs; None when there are too few senders or
@@ -536,7 +637,7 @@ class SentinelMonitor:
         return st.ema / (1 - self.cfg.peer_beta ** min(st.ema_n, 10_000))
 
     def _strike(self, stream: _Stream, sender: str, st: _Sender, reasons: list[str], score: float,
-                hard: bool = False, weight: int = 1, statistical: bool = False) -> Verdict:
+                hard: bool = False, weight: int = 1, statistical: bool = False, counted: bool = False) -> Verdict:
         """Record a strike; ban on ``strikes_to_ban`` within ``strike_window`` of the sender's messages.
 
         A statistical strike bans only if some *other* sender's message was accepted since the oldest counted
@@ -545,7 +646,8 @@ class SentinelMonitor:
         they wait, and a re-anchoring forgets them.
         """
         cfg = self.cfg
-        st.flags += 1
+        if not counted:
+            st.flags += 1
         st.strikes.extend([(st.n, stream.n, statistical)] * weight)
         while st.strikes and st.strikes[0][0] <= st.n - cfg.strike_window:
             st.strikes.popleft()
