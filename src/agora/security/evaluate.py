@@ -255,7 +255,8 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
                 if who != "attacker":
                     honest_msgs += 1
                     honest_flags += v.flagged
-    honest_banned = sum(monitor.banned(s) for s in senders if s != "attacker")
+    # In a clean stream the attacker's seat is honest too: its ban is a false one.
+    honest_banned = sum(monitor.banned(s) for s in senders if s != "attacker" or kind is None)
     attacker_banned = monitor.banned("attacker")
     return StreamResult(kind or "clean", strength, direction, attacker_banned if kind else False,
                         delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
@@ -319,16 +320,27 @@ def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = No
                     honest_flags += v.flagged
                     if v.flagged and kind is None and not first_reasons:
                         first_reasons = v.reasons[:3]
-    honest_banned = sum(monitor.banned(s) for s in names if s != "attacker")
+    honest_banned = sum(monitor.banned(s) for s in names if s != "attacker" or kind is None)
     return StreamResult(kind or "clean", strength, direction, monitor.banned("attacker") if kind else False,
                         delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
+
+
+# Clean drift streams: (senders, messages per step). One message per step is the live ``tiny`` swarm (a step is two
+# microbatches over all receivers); three per step ends the warm-up inside the fastest early drift; two senders is
+# a receiver with one peer to compare with.
+DRIFT_CLEAN = ((2, 1), (3, 1), (3, 3))
 
 
 def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, Sequence[float]]] = None,
              config: Optional[SentinelConfig] = None, rounds: int = 60, attack_start: int = 20,
              clean_rounds: int = 100, seed: int = 0, train_steps: int = 0,
-             pool: Optional[HonestPool] = None) -> dict:
-    """Every kind x strength x direction, plus clean streams. Returns a JSON-able report (see ``format_report``)."""
+             pool: Optional[HonestPool] = None, drift_steps: int = 0,
+             trace: Optional[DriftTrace] = None) -> dict:
+    """Every kind x strength x direction, plus clean streams. Returns a JSON-able report (see ``format_report``).
+
+    ``drift_steps`` (or a ``trace``): also stream traffic recorded *while the model trains* for that many steps
+    (``make_drift_trace``): every kind x strength x direction with the attack starting a third of the way in, and
+    the ``DRIFT_CLEAN`` clean streams, whose honest statistics drift the whole time (the live failure mode)."""
     t0 = time.perf_counter()
     pool = pool or make_pool(manifest, seed=seed, train_steps=train_steps)
     t_pool = time.perf_counter() - t0
@@ -338,46 +350,84 @@ def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, 
         for strength in values:
             for direction in ("fwd", "bwd"):
                 res = run_stream(pool, direction, kind, strength, config, rounds, attack_start, seed)
-                rows.append(dict(asdict(res), precision=res.precision, recall=res.recall, f1=res.f1))
+                rows.append(dict(asdict(res), setting="static", precision=res.precision, recall=res.recall,
+                                 f1=res.f1))
     clean = []
     for direction in ("fwd", "bwd"):
         res = run_stream(pool, direction, None, 0.0, config, clean_rounds, clean_rounds, seed + 1)
-        clean.append({"direction": direction, "messages": res.tn + res.fp, "flags": res.fp,
+        clean.append({"setting": "static", "senders": 3, "messages_per_step": None, "direction": direction,
+                      "messages": res.tn + res.fp, "flags": res.fp,
                       "false_positive_rate": res.fp / max(res.tn + res.fp, 1), "bans": res.honest_banned})
+    drift: dict = {}
+    if drift_steps or trace is not None:
+        t1 = time.perf_counter()
+        trace = trace or make_drift_trace(manifest, steps=drift_steps, seed=seed)
+        drift = {"steps": trace.steps, "loss_first": trace.losses[0], "loss_last": trace.losses[-1],
+                 "trace_seconds": time.perf_counter() - t1}
+        for kind, values in strengths.items():
+            for strength in values:
+                for direction in ("fwd", "bwd"):
+                    res = run_drift_stream(trace, direction, kind, strength, config, seed=seed)
+                    rows.append(dict(asdict(res), setting="drift", precision=res.precision, recall=res.recall,
+                                     f1=res.f1))
+        for senders, per_step in DRIFT_CLEAN:
+            for direction in ("fwd", "bwd"):
+                res = run_drift_stream(trace, direction, None, 0.0, config, seed=seed + 1, senders=senders,
+                                       messages_per_step=per_step)
+                clean.append({"setting": "drift", "senders": senders, "messages_per_step": per_step,
+                              "direction": direction, "messages": res.tn + res.fp, "flags": res.fp,
+                              "false_positive_rate": res.fp / max(res.tn + res.fp, 1),
+                              "bans": res.honest_banned})
     # Sender level, over every stream: an attacker banned is a true positive, an honest sender banned a false one.
-    tp = sum(r["attacker_banned"] for r in rows)
-    fp = sum(r["honest_banned"] for r in rows) + sum(c["bans"] for c in clean)
-    fn = len(rows) - tp
-    precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
-    senders = {"attackers_banned": tp, "attackers": len(rows), "honest_banned": fp, "precision": precision,
-               "recall": recall, "f1": 2 * precision * recall / max(precision + recall, 1e-12)}
+    senders_by = {}
+    for setting in sorted({r["setting"] for r in rows}) + ["all"]:
+        sel = [r for r in rows if setting in ("all", r["setting"])]
+        sel_clean = [c for c in clean if setting in ("all", c["setting"])]
+        tp = sum(r["attacker_banned"] for r in sel)
+        fp = sum(r["honest_banned"] for r in sel) + sum(c["bans"] for c in sel_clean)
+        fn = len(sel) - tp
+        precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
+        delays = sorted(r["delay"] for r in sel if r["delay"] is not None)
+        senders_by[setting] = {
+            "attackers_banned": tp, "attackers": len(sel), "honest_banned": fp, "precision": precision,
+            "recall": recall, "f1": 2 * precision * recall / max(precision + recall, 1e-12),
+            "median_delay": delays[len(delays) // 2] if delays else None, "max_delay": delays[-1] if delays else None,
+            "clean_messages": sum(c["messages"] for c in sel_clean), "clean_flags": sum(c["flags"] for c in sel_clean),
+        }
     return {"pool_loss": pool.loss, "pool_seconds": t_pool, "seconds": time.perf_counter() - t0,
-            "attacks": rows, "clean": clean, "senders": senders}
+            "attacks": rows, "clean": clean, "drift": drift, "senders": senders_by["all"], "by_setting": senders_by}
 
 
 def format_report(report: dict) -> str:
-    lines = [f"SENTINEL offline evaluation (pool loss {report['pool_loss']:.2f}, {report['seconds']:.1f} s)",
-             f"{'attack':<12}{'strength':>9} {'dir':<4}{'banned':>7}{'delay':>6}{'honest bans':>12}"
-             f"{'prec':>6}{'recall':>7}{'F1':>6}  first reasons"]
+    lines = [f"SENTINEL offline evaluation (pool loss {report['pool_loss']:.2f}, {report['seconds']:.1f} s)"]
+    if report.get("drift"):
+        d = report["drift"]
+        lines.append(f"drift: {d['steps']} training steps, loss {d['loss_first']:.2f} -> {d['loss_last']:.2f}")
+    lines.append(f"{'setting':<8}{'attack':<12}{'strength':>9} {'dir':<4}{'banned':>7}{'delay':>6}{'honest bans':>12}"
+                 f"{'prec':>6}{'recall':>7}{'F1':>6}  first reasons")
     for r in report["attacks"]:
         lines.append(
-            f"{r['kind']:<12}{r['strength']:>9g} {r['direction']:<4}{str(r['attacker_banned']):>7}"
-            f"{str(r['delay']) if r['delay'] is not None else '-':>6}{r['honest_banned']:>12}"
-            f"{r['precision']:>6.2f}{r['recall']:>7.2f}{r['f1']:>6.2f}  {', '.join(r['first_reasons'])}"
+            f"{r.get('setting', 'static'):<8}{r['kind']:<12}{r['strength']:>9g} {r['direction']:<4}"
+            f"{str(r['attacker_banned']):>7}{str(r['delay']) if r['delay'] is not None else '-':>6}"
+            f"{r['honest_banned']:>12}{r['precision']:>6.2f}{r['recall']:>7.2f}{r['f1']:>6.2f}  "
+            f"{', '.join(r['first_reasons'])}"
         )
     for c in report["clean"]:
-        lines.append(f"clean {c['direction']}: {c['flags']}/{c['messages']} flagged "
+        lines.append(f"clean {c.get('setting', 'static')} {c['direction']} ({c.get('senders', 3)} senders, "
+                     f"{c.get('messages_per_step') or '-'}/step): {c['flags']}/{c['messages']} flagged "
                      f"(FPR {c['false_positive_rate']:.3f}), {c['bans']} bans")
-    s = report["senders"]
-    lines.append(f"sender level: {s['attackers_banned']}/{s['attackers']} attackers banned, {s['honest_banned']} "
-                 f"honest bans: precision {s['precision']:.2f} recall {s['recall']:.2f} F1 {s['f1']:.2f}")
+    for setting, s in report.get("by_setting", {"all": report["senders"]}).items():
+        lines.append(f"sender level [{setting}]: {s['attackers_banned']}/{s['attackers']} attackers banned, "
+                     f"{s['honest_banned']} honest bans: precision {s['precision']:.2f} recall {s['recall']:.2f} "
+                     f"F1 {s['f1']:.2f}; delay median {s.get('median_delay')} max {s.get('max_delay')}")
     lines.append("(message-level recall counts flagged corrupted messages until the ban: CUSUM / peer-test "
                  "detections flag only the alarm message, so it is low where the delay is long)")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m agora.security.evaluate [train_steps]
+if __name__ == "__main__":  # python -m agora.security.evaluate [train_steps] [drift_steps]
     import sys
 
     torch.set_num_threads(1)
-    print(format_report(evaluate(train_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 0)))
+    print(format_report(evaluate(train_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 0,
+                                 drift_steps=int(sys.argv[2]) if len(sys.argv) > 2 else 0)))

@@ -193,6 +193,7 @@ class _Stream:
     accepted_at: dict = field(default_factory=dict)  # sender -> stream index of its latest accepted message
     last_accept: int = 0  # stream index of the latest accepted message (any sender)
     pending: list = field(default_factory=list)  # _Pending strikes awaiting the peers' next messages
+    z2: Optional[np.ndarray] = None  # running mean of clipped z^2 over all senders: the z's real variance
     senders: dict = field(default_factory=dict)
     digests: deque = field(default_factory=deque)  # (simhash, sender, token_digest)
 
@@ -399,9 +400,12 @@ class SentinelMonitor:
             return 1.4826 * np.median(np.abs(np.diff(x, axis=0)), axis=0) / math.sqrt(2)
 
         n_centre = len(raws) if pooled else self.cfg.centre
+        # The per-channel references (mean direction, skew direction, rms profile) use the whole window: a
+        # direction estimated from a few messages is too noisy for the odd statistics that expose sign flips,
+        # and the features built on it are detrended below anyway.
         for name in VECTORS:
             vecs = np.stack([getattr(r, name) for r in raws])
-            stream.vec_mu[name] = np.median(vecs[-n_centre:], axis=0)
+            stream.vec_mu[name] = np.median(vecs, axis=0)
             stream.vec_var[name] = spread(vecs) ** 2
         feats = np.stack([self._features(stream, r) for r in raws])
         t = np.array([r.t for r in raws])
@@ -523,6 +527,11 @@ class SentinelMonitor:
         # a shift every sender shares (the model training) cancels in the comparison with the peers, while a
         # sender that deviates from its peers at the same time keeps its offset.
         zc = np.clip(z, -cfg.kappa, cfg.kappa)
+        # The spreads are robust estimates; heavy-tailed features (peaks, distances) have z with a variance above
+        # 1. The peer test and the CUSUM compare sums of z, so they are scaled by the z's measured variance (never
+        # below 1: a feature calmer than its estimate keeps the nominal scale).
+        # Measured on accepted messages of senders in good standing only, so an attacker cannot widen it.
+        z_scale = np.sqrt(np.maximum(stream.z2, 1.0)) if stream.z2 is not None else np.ones_like(z)
         st.ema = (1 - cfg.peer_beta) * zc + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
         st.ema_n += 1
         peer = self._peer_centre(stream, st)
@@ -531,13 +540,13 @@ class SentinelMonitor:
             b, n = cfg.peer_beta, min(st.ema_n, 10_000)
             # sd of a bias-corrected EMA of n unit-variance z; x sqrt(2): the centre is some other sender's EMA.
             ema_sd = math.sqrt(2 * (1 - b) * (1 - b ** (2 * n)) / ((1 + b) * (1 - b**n) ** 2))
-            dev = (self._unbiased(st) - peer) / ema_sd
+            dev = (self._unbiased(st) - peer) / (ema_sd * z_scale)
             reasons.extend(f"peer:{names[i]} d={dev[i]:+.1f}" for i in np.flatnonzero(np.abs(dev) > cfg.peer_kappa))
 
             # CUSUM on this message's z *relative to its peers*: small persistent offsets add up, a drift all
             # senders share does not, one outlier cannot trip it on its own. Without enough peers there is no
             # CUSUM (with two senders one cannot tell which of them is off), only the per-message test.
-            u = np.clip(zc - peer, -cfg.kappa, cfg.kappa)
+            u = np.clip((zc - peer) / z_scale, -cfg.kappa, cfg.kappa)
             if st.cusum_pos is None:
                 st.cusum_pos, st.cusum_neg = np.zeros_like(z), np.zeros_like(z)
             st.cusum_pos = np.maximum(0.0, st.cusum_pos + u - cfg.cusum_k)
@@ -579,6 +588,7 @@ class SentinelMonitor:
             # sender accumulating evidence could otherwise drag the reference towards itself and hide).
             stream.window.append(raw)
             stream.accepted_at[sender] = stream.last_accept = stream.n
+            stream.z2 = zc**2 if stream.z2 is None else 0.98 * stream.z2 + 0.02 * zc**2
             self._set_reference(stream, list(stream.window))
         return Verdict(False, st.banned or sender in self._banned, score, [])
 
