@@ -29,7 +29,7 @@ MICROBATCH_TOKENS = 8 * 64  # tiny: microbatch_size x seq_len
 BAN_BOUND = SentinelConfig().warmup + 20
 
 
-def _run(tmp: Path, layout: list[tuple[int, Optional[str]]], microbatches: int, timeout: float = 240.0):
+def _run(tmp: Path, layout: list[tuple[int, Optional[str]]], microbatches: int, timeout: float = 300.0):
     """Start a swarm (``layout``: (stage, attack spec or None) per node), train ``microbatches``, stop it.
     Returns {peer_id: (stage, attack, final node summary)} and the trainer's summary."""
     swarm = Swarm(Path("tiny"), tmp, threads=1, extra_node_args=["--sentinel", "--rebalance-every", "0"])
@@ -104,7 +104,7 @@ def test_attackers_banned_within_bound_and_no_honest_bans(tmp_path, fwd_attack, 
 
 
 def test_clean_training_run_bans_nobody(tmp_path):
-    nodes, trainer = _run(tmp_path, [(0, None), (0, None), (1, None), (1, None)], microbatches=200)
+    nodes, trainer = _run(tmp_path, [(0, None), (0, None), (1, None), (1, None)], microbatches=120)
     for peer, (_, _, summary) in nodes.items():
         assert summary["banned"] == [], (peer[-8:], summary["banned"], summary["sentinel"])
         assert summary["sentinel"] is not None

@@ -633,6 +633,8 @@ class StageNode:
             functools.partial(self.sentinel.observe, sender, boundary, direction, tensor, step=self.step,
                               tokens=tokens, paired=paired)
         )
+        if verdict.flagged and not verdict.banned:  # why a message was dropped: the operator's first question
+            logger.info(f"SENTINEL flagged {direction} from {sender[-8:]} at step {self.step}: {verdict.reasons[:3]}")
         if verdict.banned:
             self.log_event("ban", peer_banned=sender, boundary=boundary, direction=direction,
                            reasons=verdict.reasons[:3])
