@@ -171,6 +171,7 @@ class _Raw:
     profile: np.ndarray  # [k] per-channel rms / rms
     pair_align: float
     t: float = 0.0  # when it was received: the receiver's optimizer step, else the stream's message index
+    sender: str = ""
 
 
 @dataclass
@@ -364,6 +365,7 @@ class SentinelMonitor:
                                [f"retry of a flagged message: {'; '.join(why[:2])}"] if flagged else [])
         raw = fingerprint(tensor, paired)
         raw.t = float(step) if step is not None else float(stream.n)
+        raw.sender = sender
         verdict = self._judge(stream, sender, st, raw, self._replay_check(stream, sender, digest, tok, raw.base))
         if tok is not None:
             stream.judged[(tok, digest)] = (verdict.flagged, list(verdict.reasons))
@@ -427,19 +429,40 @@ class SentinelMonitor:
         spread. ``pooled`` (the warm-up, which may hold an attacker's messages interleaved with honest ones, where
         successive differences would mostly straddle the two): plain median / MAD of all of them instead.
         """
-        def spread(x: np.ndarray) -> np.ndarray:
-            if pooled or x.shape[0] < 3:
-                return 1.4826 * np.median(np.abs(x - np.median(x, axis=0)), axis=0)
-            return 1.4826 * np.median(np.abs(np.diff(x, axis=0)), axis=0) / math.sqrt(2)
-
+        who = [r.sender for r in raws]
+        groups = [np.array([i for i, w in enumerate(who) if w == name]) for name in dict.fromkeys(who)]
+        balanced = len(groups) >= self.cfg.peer_min_senders
         n_centre = len(raws) if pooled else self.cfg.centre
+
+        def centre_spread(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Centre and spread of the rows of ``x`` (messages in arrival order, detrended)."""
+            if not balanced:
+                c = np.median(x[-n_centre:], axis=0)
+                if pooled or x.shape[0] < 3:
+                    return c, 1.4826 * np.median(np.abs(x - c), axis=0)
+                return c, 1.4826 * np.median(np.abs(np.diff(x, axis=0)), axis=0) / math.sqrt(2)
+            # Senders vote, not messages: routing can send most of a receiver's traffic to one peer (live, an
+            # attacking tail got half of a head's gradients, hence most of its reference), so each sender's own
+            # median counts once and the centre is the median of those. The spread is the honest noise within a
+            # sender (successive differences of its own messages, pooled) plus the spread between senders'
+            # medians (median distance to the centre: a lone odd sender does not widen it).
+            meds = np.stack([np.median(x[g[-n_centre:]], axis=0) for g in groups])
+            c = np.median(meds, axis=0)
+            diffs = [np.diff(x[g], axis=0) for g in groups if len(g) > 1]
+            within = (1.4826 * np.median(np.abs(np.concatenate(diffs)), axis=0) / math.sqrt(2)
+                      if diffs else np.zeros(x.shape[1]))
+            between = 1.4826 * np.median(np.abs(meds - c), axis=0)
+            return c, np.sqrt(within**2 + between**2)
+
         # The per-channel references (mean direction, skew direction, rms profile) use the whole window: a
         # direction estimated from a few messages is too noisy for the odd statistics that expose sign flips,
         # and the features built on it are detrended below anyway.
         for name in VECTORS:
             vecs = np.stack([getattr(r, name) for r in raws])
-            stream.vec_mu[name] = np.median(vecs, axis=0)
-            stream.vec_var[name] = spread(vecs) ** 2
+            n_c, n_centre = n_centre, len(raws)
+            stream.vec_mu[name], sp = centre_spread(vecs)
+            n_centre = n_c
+            stream.vec_var[name] = sp**2
         feats = np.stack([self._features(stream, r) for r in raws])
         t = np.array([r.t for r in raws])
         t_ref = float(np.median(t[-n_centre:]))
@@ -463,10 +486,16 @@ class SentinelMonitor:
                 sel = pairs & ok[i] & ok[k]
                 if sel.sum() >= 3:
                     slope[j] = float(np.median((col[k[sel]] - col[i[sel]]) / dt[sel]))
-            detr = col[ok] - slope[j] * (t[ok] - t_ref)
-            mu[j] = np.median(detr[-n_centre:])
-            resid = detr[:, None]
-            sd[j] = max(float(spread(resid)[0]), self.cfg.sigma_floor)
+            detr = np.where(ok, col - slope[j] * (t - t_ref), np.nan)
+            if ok.all():
+                c, sp = centre_spread(detr[:, None])
+            else:
+                with np.errstate(all="ignore"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    c = np.array([np.nanmedian(detr[-n_centre:])])
+                    sp = np.array([1.4826 * np.nanmedian(np.abs(detr - c[0]))])
+            mu[j] = float(c[0])
+            sd[j] = max(float(np.nan_to_num(sp[0])), self.cfg.sigma_floor)
         stream.slope, stream.t_ref, stream.t_span = slope, t_ref, float(t.max() - t.min())
         stream.mu, stream.sd, stream.active = mu, sd, active
 
@@ -496,6 +525,19 @@ class SentinelMonitor:
         # from an early message. Judgement starts with the next message, against the window, with peers.
         z = np.where(np.isfinite(resid) & stream.active, np.nan_to_num(resid) / stream.sd, 0.0)
         keep = [raw for raw, zi in zip(raws, z) if np.max(np.abs(zi)) <= self.cfg.kappa]
+        names = list(dict.fromkeys(r.sender for r in raws))
+        if len(names) >= self.cfg.peer_min_senders:
+            # With enough senders the rolling median above is message-weighted (a sender that got most of the
+            # traffic sets it); instead, a sender whose median message is off the senders' common centre (set by
+            # _set_reference, one vote per sender) does not seed the window, and the others' messages all do.
+            self._set_reference(stream, raws, pooled=True)
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                off = {n for n in names
+                       if np.any(np.abs(np.nan_to_num(np.nanmedian(feats[[r.sender == n for r in raws]], axis=0)
+                                                      - stream.mu))[stream.active]
+                                 > self.cfg.kappa * stream.sd[stream.active])}
+            keep = [r for r in raws if r.sender not in off]
         for who, _ in warm:
             stream.senders.setdefault(who, _Sender())
             stream.accepted_at[who] = stream.n
