@@ -7,13 +7,10 @@ and no honest receiver may ban an honest peer. Clean run: SENTINEL on, no attack
 clearly dropped (the honest statistics drift the whole time): nobody is banned.
 
 Opt-in (``AGORA_LIVE_SENTINEL=1``): this is the acceptance test for turning SENTINEL on by default, and it does not
-pass reliably yet. Measured on the 2-core dev machine under load (sentinel-live branch): the clean run passed 1 of 2
-(the failing run, before retries stopped earning strikes: 1 honest head banned by a tail); the attack run
-``gaussian:1@fwd`` + ``scale:4@bwd`` failed 1 of 1: the tail attacker was flagged on every message but never banned
-by the head it flooded (it received 185 of that head's 356 gradients, most of its warm-up, so the pooled reference
-was the attacker's), and honest peers were banned (2 tails by that head, 1 head by a tail). Each run takes 2.5-5 min
-there, so the full set is also over the 3-minute budget. Run it with
-``AGORA_LIVE_SENTINEL=1 pytest tests/test_security_live.py``.
+pass reliably yet (``docs/bench/sentinel/live.md``: on the loaded 2-core dev machine the clean run passed 1 of 2,
+the attack run 0 of 2; in the last attack run both attackers were banned by every honest receiver within 21-32 of
+their messages, but honest heads also banned honest tails for gradient mean-direction features). Each run takes
+2.5-6 min there, over the 3-minute budget. Run it with ``AGORA_LIVE_SENTINEL=1 pytest tests/test_security_live.py``.
 
 Three replicas of the attacked stage, not two: with two senders a receiver cannot tell which of them is off unless
 the corruption is gross (see the ``sentinel`` module docstring), and an attacker present from the first message

@@ -32,7 +32,10 @@ How it decides (``SentinelMonitor.observe``):
    spreads per optimizer step (a frozen or EMA reference then flags every honest message and bans honest peers,
    as happened live). The reference is a window of the last ``window`` accepted messages: per feature, a
    Theil-Sen drift per step, a centre (median of the last ``centre`` accepted messages, moved along the drift to
-   the message's step) and a spread (median absolute successive difference, which grows with the drift).
+   the message's step) and a spread (median absolute successive difference, which grows with the drift). With
+   >= 3 senders, senders vote rather than messages (routing can give one peer most of a receiver's traffic): the
+   centre is the median of the senders' own medians, the spread the within-sender noise plus the spread between
+   senders' medians, and at the end of the warm-up a sender whose median is off that centre seeds nothing.
 5. Per-message robust z-scores; ``|z| > kappa`` on a feature flags the message (it is dropped). A flag that the
    senders' latest messages share (median of their z, >= 3 senders) is a common shift, not a flag. The *strike*
    waits for the other senders' next messages: if they show the same shift, the stream moved (the flag is
