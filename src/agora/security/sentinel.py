@@ -51,10 +51,12 @@ How it decides (``SentinelMonitor.observe``):
    (the reference was alive). If nobody's message is accepted for ``reanchor_after`` messages the reference is
    re-anchored and the statistical strikes earned meanwhile are forgotten.
 
-Measured (``agora bench sentinel``, offline, real ``tiny`` traffic): streams recorded while ``tiny`` trains (loss
-8.3 -> 5.2) ban no honest sender with 2 or 3 senders, and attackers are banned within a few messages of the
-attack's start; see ``docs/bench/sentinel``. Live swarms (``tests/test_security_live.py``) are not as clean yet:
-see the README / report of the branch for the live false-ban measurements; SENTINEL stays opt-in.
+Measured (``agora bench sentinel``, offline, real ``tiny`` traffic, ``docs/bench/sentinel``): on a static pool,
+29/32 attacks banned (median 3 messages), 0 honest bans; on streams recorded while ``tiny`` trains 240 steps (loss
+8.3 -> 5.1), 29/32 attacks banned within 5 messages, but 18 honest bans over 38 streams, all on forward
+activations (one early false ban shared by the 16 forward attack streams, and the 2-sender clean stream), none on
+gradients. Live swarms do worse (``docs/bench/sentinel/live.md``): honest replicas hold different weights between
+averaging rounds and their gradient mean directions differ. SENTINEL stays opt-in.
 
 Sign flips: for zero-mean, symmetric messages no even statistic (rms, norms, peaks, profile) can see ``x -> -x``;
 only odd ones can (mean direction, skewness, pairing). Measured on the ``tiny`` preset with Zipf/bigram synthetic
