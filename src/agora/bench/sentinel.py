@@ -1,9 +1,17 @@
 """``agora bench sentinel``: how well SENTINEL finds corrupted inter-stage messages.
 
-Real boundary activations and gradients of the ``tiny`` model (optionally after some training) stream from two
-honest replicas and one attacker into one monitor, for every attack kind at two strengths and both directions,
-plus clean streams. Reported: sender-level precision/recall/F1, detection delay in attacker messages, and the
-false-positive rate and false bans on clean streams (see ``agora.security.evaluate``).
+Real boundary activations and gradients of the ``tiny`` model stream from honest replicas and one attacker into one
+monitor, for every attack kind at two strengths and both directions, plus clean streams (see
+``agora.security.evaluate``), in two settings:
+
+* ``static``: a pool of messages of one model (optionally after ``train_steps`` of training), as before;
+* ``drift``: messages recorded *while the model trains* for ``drift_steps`` optimizer steps, one message per step
+  reaching the receiver (as on a live ``tiny`` swarm), the attack starting a third of the way in; clean streams
+  with 2 or 3 senders. Honest statistics drift by many per-message spreads here (what banned honest peers live).
+
+Reported: per attack kind, strength and direction whether the attacker was banned, the detection delay (corrupted
+messages until the ban), honest bans and message-level precision / recall / F1; clean false-positive rates and
+bans; sender-level precision / recall / F1 per setting and overall.
 """
 
 from __future__ import annotations
@@ -15,18 +23,28 @@ from agora.bench.common import markdown_table, write_result
 from agora.security.evaluate import evaluate
 
 
-def run(out: Path, train_steps: int = 50, log: Callable[[str], None] = print) -> dict:
-    report = evaluate("tiny", train_steps=train_steps)
-    rows = [[r.get("kind"), r.get("strength"), r.get("direction"), "yes" if r.get("attacker_banned") else "no",
-             r.get("delay"), r.get("honest_banned"), r.get("f1")] for r in report["attacks"]]
-    md = markdown_table(["attack", "strength", "direction", "attacker banned", "delay (msgs)", "honest banned",
-                         "message F1"], rows)
-    md += "\n\n" + markdown_table(["clean stream", "messages", "flags", "false-positive rate", "bans"],
-                                  [[c["direction"], c["messages"], c["flags"], c["false_positive_rate"], c["bans"]]
-                                   for c in report["clean"]])
-    s = report["senders"]
-    md += (f"\n\nSender level: {s['attackers_banned']}/{s['attackers']} attackers banned, {s['honest_banned']} honest "
-           f"bans; precision {s['precision']:.3f}, recall {s['recall']:.3f}, F1 **{s['f1']:.3f}**.\n")
-    write_result(out, "sentinel", {"train_steps": train_steps, **report}, md)
+def run(out: Path, train_steps: int = 50, drift_steps: int = 240, log: Callable[[str], None] = print) -> dict:
+    report = evaluate("tiny", train_steps=train_steps, drift_steps=drift_steps)
+    rows = [[r.get("setting"), r.get("kind"), r.get("strength"), r.get("direction"),
+             "yes" if r.get("attacker_banned") else "no", r.get("delay"), r.get("honest_banned"),
+             round(r.get("precision"), 3), round(r.get("recall"), 3), round(r.get("f1"), 3)]
+            for r in report["attacks"]]
+    md = markdown_table(["setting", "attack", "strength", "direction", "attacker banned", "delay (msgs)",
+                         "honest banned", "msg precision", "msg recall", "msg F1"], rows)
+    md += "\n\n" + markdown_table(
+        ["clean stream", "direction", "senders", "msgs/step", "messages", "flags", "false-positive rate", "bans"],
+        [[c["setting"], c["direction"], c["senders"], c["messages_per_step"] or "-", c["messages"], c["flags"],
+          round(c["false_positive_rate"], 4), c["bans"]] for c in report["clean"]])
+    if report.get("drift"):
+        d = report["drift"]
+        md += (f"\n\nDrift trace: {d['steps']} optimizer steps of tiny, training loss {d['loss_first']:.2f} -> "
+               f"{d['loss_last']:.2f}. Static pool: trained {train_steps} steps (loss {report['pool_loss']:.2f}).\n")
+    md += "\n" + markdown_table(
+        ["setting", "attackers banned", "honest bans", "precision", "recall", "F1", "median delay", "max delay",
+         "clean flags"],
+        [[k, f"{s['attackers_banned']}/{s['attackers']}", s["honest_banned"], round(s["precision"], 3),
+          round(s["recall"], 3), round(s["f1"], 3), s["median_delay"], s["max_delay"],
+          f"{s['clean_flags']}/{s['clean_messages']}"] for k, s in report["by_setting"].items()])
+    write_result(out, "sentinel", {"train_steps": train_steps, "drift_steps": drift_steps, **report}, md)
     log(md)
     return report

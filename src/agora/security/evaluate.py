@@ -118,6 +118,66 @@ def make_pool(manifest: "Manifest | str" = "tiny", n_sequences: int = 240, seed:
 
 
 @dataclass
+class DriftTrace:
+    """Honest traffic of a model *while it trains*: per optimizer step, one microbatch message per sender.
+
+    ``fwd``/``bwd`` are [steps, senders, B, T, k], ``tokens`` [steps, senders, B, T], ``losses`` [steps]. Every
+    sender of a step shares that step's weights (replicas average) but draws its own data, exactly like honest
+    replicas of one stage; across steps the statistics drift as the model learns, which is what a live monitor has
+    to tolerate (a static pool cannot show it).
+    """
+
+    fwd: Tensor
+    bwd: Tensor
+    tokens: Tensor
+    losses: list
+
+    @property
+    def steps(self) -> int:
+        return self.fwd.shape[0]
+
+
+def make_drift_trace(manifest: "Manifest | str" = "tiny", steps: int = 240, senders: int = 3, seed: int = 0,
+                     boundary: int = 0) -> DriftTrace:
+    """Train the two stages around ``boundary`` for ``steps`` optimizer steps with the manifest's optimizer and
+    schedule (``build_optimizer``, ``lr_at``, per-stage gradient clipping, as a stage node does) on a batch of
+    ``senders`` microbatches per step, and record every microbatch's boundary coordinates and coordinate gradient
+    *before* that step's update. The gradient is scaled to what a tail computing the mean loss of one microbatch
+    returns (the whole batch's mean loss divides it by ``senders``)."""
+    from agora.optim import build_optimizer, set_lr
+
+    m = load_manifest(manifest) if isinstance(manifest, str) else manifest
+    torch.manual_seed(seed)
+    head, tail = Stage(m, boundary), Stage(m, boundary + 1)
+    if not (head.spec.is_head and tail.spec.is_tail):
+        raise ValueError("make_drift_trace needs a two-stage manifest (head and tail around the boundary)")
+    gen = torch.Generator().manual_seed(seed)
+    V, T, B = m.model.vocab_size, m.model.seq_len, m.batch.microbatch_size
+    probs = 1.0 / torch.arange(1, V + 1, dtype=torch.float64) ** 1.1
+    table = torch.randint(0, V, (V, 4), generator=gen)
+    opts = [build_optimizer(head, m.optimizer), build_optimizer(tail, m.optimizer)]
+    fwd, bwd, toks, losses = [], [], [], []
+    for step in range(steps):
+        tokens, targets = synthetic_batch(gen, V, senders * B, T, table, probs)
+        coords = head(tokens) @ head.basis
+        leaf = coords.detach().clone().requires_grad_(True)
+        x = decompress(Boundary(leaf, tokens.int(), "subspace"), tail.basis, tail.frozen_embed)
+        loss = tail.loss(tail(x), targets)
+        loss.backward()
+        coords.backward(leaf.grad)
+        for stage, opt in zip((head, tail), opts):
+            torch.nn.utils.clip_grad_norm_(list(stage.parameters()), m.optimizer.grad_clip)
+            set_lr(opt, m.optimizer, step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        fwd.append(coords.detach().reshape(senders, B, T, -1))
+        bwd.append((leaf.grad * senders).reshape(senders, B, T, -1))
+        toks.append(tokens.int().reshape(senders, B, T))
+        losses.append(float(loss.detach()))
+    return DriftTrace(torch.stack(fwd), torch.stack(bwd), torch.stack(toks), losses)
+
+
+@dataclass
 class StreamResult:
     kind: str
     strength: float
@@ -195,17 +255,92 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
                 if who != "attacker":
                     honest_msgs += 1
                     honest_flags += v.flagged
-    honest_banned = sum(monitor.banned(s) for s in senders if s != "attacker")
+    # In a clean stream the attacker's seat is honest too: its ban is a false one.
+    honest_banned = sum(monitor.banned(s) for s in senders if s != "attacker" or kind is None)
     attacker_banned = monitor.banned("attacker")
     return StreamResult(kind or "clean", strength, direction, attacker_banned if kind else False,
                         delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
 
 
+def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = None, strength: float = 0.0,
+                     config: Optional[SentinelConfig] = None, attack_start: Optional[int] = None, seed: int = 0,
+                     senders: int = 3, messages_per_step: int = 1) -> StreamResult:
+    """A stream through a fresh monitor while the model trains: at each optimizer step of ``trace``,
+    ``messages_per_step`` of the ``senders`` (taken in turns, shuffled per cycle) each send their message of that
+    step. On ``tiny`` a swarm step is two microbatches, so a receiver sees about one message per step: every
+    message comes from a slightly newer model (the hardest case for a reference built from earlier messages).
+    The last sender is the attacker's seat (corrupting from step ``attack_start`` on when ``kind`` is given;
+    ``attack_start=None`` means a third of the way in); a banned attacker gets no more work."""
+    if senders > trace.fwd.shape[1]:
+        raise ValueError(f"the trace has {trace.fwd.shape[1]} senders, {senders} requested")
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    monitor = SentinelMonitor(config or SentinelConfig())
+    names = [f"honest-{i}" for i in range(senders - 1)] + ["attacker"]
+    start = trace.steps // 3 if attack_start is None else attack_start
+    state = AttackState()
+    tp = fp = fn = tn = 0
+    honest_flags = honest_msgs = 0
+    delay: Optional[int] = None
+    corrupted = 0
+    first_reasons: list = []
+    turn: list[int] = []
+    for step in range(trace.steps):
+        for _ in range(messages_per_step):
+            if not turn:
+                turn = list(range(senders))
+                rng.shuffle(turn)
+            slot = turn.pop()
+            who = names[slot]
+            if who == "attacker" and monitor.banned(who):
+                continue
+            coords, grad, tokens = trace.fwd[step, slot], trace.bwd[step, slot], trace.tokens[step, slot]
+            msg = coords if direction == "fwd" else grad
+            bad = False
+            if who == "attacker" and kind is not None:
+                if step >= start:
+                    msg, bad = apply_attack(kind, strength, msg, gen, state), True
+                    corrupted += 1
+                else:
+                    state.remember(msg)
+            v = monitor.observe(who, 0, direction, msg, step=step, tokens=tokens,
+                                paired=coords if direction == "bwd" else None)
+            if delay is None and corrupted and monitor.banned("attacker"):
+                delay = corrupted
+            if bad:
+                tp += v.flagged
+                fn += not v.flagged
+                if v.flagged and not first_reasons:
+                    first_reasons = v.reasons[:3]
+            else:
+                fp += v.flagged
+                tn += not v.flagged
+                if who != "attacker":
+                    honest_msgs += 1
+                    honest_flags += v.flagged
+                    if v.flagged and kind is None and not first_reasons:
+                        first_reasons = v.reasons[:3]
+    honest_banned = sum(monitor.banned(s) for s in names if s != "attacker" or kind is None)
+    return StreamResult(kind or "clean", strength, direction, monitor.banned("attacker") if kind else False,
+                        delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
+
+
+# Clean drift streams: (senders, messages per step). One message per step is the live ``tiny`` swarm (a step is two
+# microbatches over all receivers); three per step ends the warm-up inside the fastest early drift; two senders is
+# a receiver with one peer to compare with.
+DRIFT_CLEAN = ((2, 1), (3, 1), (3, 3))
+
+
 def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, Sequence[float]]] = None,
              config: Optional[SentinelConfig] = None, rounds: int = 60, attack_start: int = 20,
              clean_rounds: int = 100, seed: int = 0, train_steps: int = 0,
-             pool: Optional[HonestPool] = None) -> dict:
-    """Every kind x strength x direction, plus clean streams. Returns a JSON-able report (see ``format_report``)."""
+             pool: Optional[HonestPool] = None, drift_steps: int = 0,
+             trace: Optional[DriftTrace] = None) -> dict:
+    """Every kind x strength x direction, plus clean streams. Returns a JSON-able report (see ``format_report``).
+
+    ``drift_steps`` (or a ``trace``): also stream traffic recorded *while the model trains* for that many steps
+    (``make_drift_trace``): every kind x strength x direction with the attack starting a third of the way in, and
+    the ``DRIFT_CLEAN`` clean streams, whose honest statistics drift the whole time (the live failure mode)."""
     t0 = time.perf_counter()
     pool = pool or make_pool(manifest, seed=seed, train_steps=train_steps)
     t_pool = time.perf_counter() - t0
@@ -215,46 +350,84 @@ def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, 
         for strength in values:
             for direction in ("fwd", "bwd"):
                 res = run_stream(pool, direction, kind, strength, config, rounds, attack_start, seed)
-                rows.append(dict(asdict(res), precision=res.precision, recall=res.recall, f1=res.f1))
+                rows.append(dict(asdict(res), setting="static", precision=res.precision, recall=res.recall,
+                                 f1=res.f1))
     clean = []
     for direction in ("fwd", "bwd"):
         res = run_stream(pool, direction, None, 0.0, config, clean_rounds, clean_rounds, seed + 1)
-        clean.append({"direction": direction, "messages": res.tn + res.fp, "flags": res.fp,
+        clean.append({"setting": "static", "senders": 3, "messages_per_step": None, "direction": direction,
+                      "messages": res.tn + res.fp, "flags": res.fp,
                       "false_positive_rate": res.fp / max(res.tn + res.fp, 1), "bans": res.honest_banned})
+    drift: dict = {}
+    if drift_steps or trace is not None:
+        t1 = time.perf_counter()
+        trace = trace or make_drift_trace(manifest, steps=drift_steps, seed=seed)
+        drift = {"steps": trace.steps, "loss_first": trace.losses[0], "loss_last": trace.losses[-1],
+                 "trace_seconds": time.perf_counter() - t1}
+        for kind, values in strengths.items():
+            for strength in values:
+                for direction in ("fwd", "bwd"):
+                    res = run_drift_stream(trace, direction, kind, strength, config, seed=seed)
+                    rows.append(dict(asdict(res), setting="drift", precision=res.precision, recall=res.recall,
+                                     f1=res.f1))
+        for senders, per_step in DRIFT_CLEAN:
+            for direction in ("fwd", "bwd"):
+                res = run_drift_stream(trace, direction, None, 0.0, config, seed=seed + 1, senders=senders,
+                                       messages_per_step=per_step)
+                clean.append({"setting": "drift", "senders": senders, "messages_per_step": per_step,
+                              "direction": direction, "messages": res.tn + res.fp, "flags": res.fp,
+                              "false_positive_rate": res.fp / max(res.tn + res.fp, 1),
+                              "bans": res.honest_banned})
     # Sender level, over every stream: an attacker banned is a true positive, an honest sender banned a false one.
-    tp = sum(r["attacker_banned"] for r in rows)
-    fp = sum(r["honest_banned"] for r in rows) + sum(c["bans"] for c in clean)
-    fn = len(rows) - tp
-    precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
-    senders = {"attackers_banned": tp, "attackers": len(rows), "honest_banned": fp, "precision": precision,
-               "recall": recall, "f1": 2 * precision * recall / max(precision + recall, 1e-12)}
+    senders_by = {}
+    for setting in sorted({r["setting"] for r in rows}) + ["all"]:
+        sel = [r for r in rows if setting in ("all", r["setting"])]
+        sel_clean = [c for c in clean if setting in ("all", c["setting"])]
+        tp = sum(r["attacker_banned"] for r in sel)
+        fp = sum(r["honest_banned"] for r in sel) + sum(c["bans"] for c in sel_clean)
+        fn = len(sel) - tp
+        precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
+        delays = sorted(r["delay"] for r in sel if r["delay"] is not None)
+        senders_by[setting] = {
+            "attackers_banned": tp, "attackers": len(sel), "honest_banned": fp, "precision": precision,
+            "recall": recall, "f1": 2 * precision * recall / max(precision + recall, 1e-12),
+            "median_delay": delays[len(delays) // 2] if delays else None, "max_delay": delays[-1] if delays else None,
+            "clean_messages": sum(c["messages"] for c in sel_clean), "clean_flags": sum(c["flags"] for c in sel_clean),
+        }
     return {"pool_loss": pool.loss, "pool_seconds": t_pool, "seconds": time.perf_counter() - t0,
-            "attacks": rows, "clean": clean, "senders": senders}
+            "attacks": rows, "clean": clean, "drift": drift, "senders": senders_by["all"], "by_setting": senders_by}
 
 
 def format_report(report: dict) -> str:
-    lines = [f"SENTINEL offline evaluation (pool loss {report['pool_loss']:.2f}, {report['seconds']:.1f} s)",
-             f"{'attack':<12}{'strength':>9} {'dir':<4}{'banned':>7}{'delay':>6}{'honest bans':>12}"
-             f"{'prec':>6}{'recall':>7}{'F1':>6}  first reasons"]
+    lines = [f"SENTINEL offline evaluation (pool loss {report['pool_loss']:.2f}, {report['seconds']:.1f} s)"]
+    if report.get("drift"):
+        d = report["drift"]
+        lines.append(f"drift: {d['steps']} training steps, loss {d['loss_first']:.2f} -> {d['loss_last']:.2f}")
+    lines.append(f"{'setting':<8}{'attack':<12}{'strength':>9} {'dir':<4}{'banned':>7}{'delay':>6}{'honest bans':>12}"
+                 f"{'prec':>6}{'recall':>7}{'F1':>6}  first reasons")
     for r in report["attacks"]:
         lines.append(
-            f"{r['kind']:<12}{r['strength']:>9g} {r['direction']:<4}{str(r['attacker_banned']):>7}"
-            f"{str(r['delay']) if r['delay'] is not None else '-':>6}{r['honest_banned']:>12}"
-            f"{r['precision']:>6.2f}{r['recall']:>7.2f}{r['f1']:>6.2f}  {', '.join(r['first_reasons'])}"
+            f"{r.get('setting', 'static'):<8}{r['kind']:<12}{r['strength']:>9g} {r['direction']:<4}"
+            f"{str(r['attacker_banned']):>7}{str(r['delay']) if r['delay'] is not None else '-':>6}"
+            f"{r['honest_banned']:>12}{r['precision']:>6.2f}{r['recall']:>7.2f}{r['f1']:>6.2f}  "
+            f"{', '.join(r['first_reasons'])}"
         )
     for c in report["clean"]:
-        lines.append(f"clean {c['direction']}: {c['flags']}/{c['messages']} flagged "
+        lines.append(f"clean {c.get('setting', 'static')} {c['direction']} ({c.get('senders', 3)} senders, "
+                     f"{c.get('messages_per_step') or '-'}/step): {c['flags']}/{c['messages']} flagged "
                      f"(FPR {c['false_positive_rate']:.3f}), {c['bans']} bans")
-    s = report["senders"]
-    lines.append(f"sender level: {s['attackers_banned']}/{s['attackers']} attackers banned, {s['honest_banned']} "
-                 f"honest bans: precision {s['precision']:.2f} recall {s['recall']:.2f} F1 {s['f1']:.2f}")
+    for setting, s in report.get("by_setting", {"all": report["senders"]}).items():
+        lines.append(f"sender level [{setting}]: {s['attackers_banned']}/{s['attackers']} attackers banned, "
+                     f"{s['honest_banned']} honest bans: precision {s['precision']:.2f} recall {s['recall']:.2f} "
+                     f"F1 {s['f1']:.2f}; delay median {s.get('median_delay')} max {s.get('max_delay')}")
     lines.append("(message-level recall counts flagged corrupted messages until the ban: CUSUM / peer-test "
                  "detections flag only the alarm message, so it is low where the delay is long)")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m agora.security.evaluate [train_steps]
+if __name__ == "__main__":  # python -m agora.security.evaluate [train_steps] [drift_steps]
     import sys
 
     torch.set_num_threads(1)
-    print(format_report(evaluate(train_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 0)))
+    print(format_report(evaluate(train_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 0,
+                                 drift_steps=int(sys.argv[2]) if len(sys.argv) > 2 else 0)))

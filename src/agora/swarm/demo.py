@@ -321,9 +321,12 @@ class Swarm:
                 *self.extra_node_args]
         return self._spawn("node", args, stage)
 
-    def start_trainer(self, index: int, count: int, in_flight: int, val_batches: int) -> Child:
+    def start_trainer(self, index: int, count: int, in_flight: int, val_batches: int,
+                      max_tokens: Optional[int] = None) -> Child:
         args = ["--manifest", str(self.manifest_path), "--initial-peers", self.maddr, "--shard", f"{index}/{count}",
                 "--in-flight", str(in_flight), "--val-batches", str(val_batches)]
+        if max_tokens is not None:
+            args += ["--max-tokens", str(max_tokens)]
         return self._spawn("train", args)
 
     def nodes(self, alive: bool = True) -> list[Child]:

@@ -188,6 +188,10 @@ def node_summary(node) -> dict:
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),
         "events": node.events[-50:],
+        # Who this node banned and, per monitored stream, how many messages of each sender it judged (a banned
+        # sender is judged no more, so its count is the number of its messages it took to ban it).
+        "banned": sorted(node.banned_peers()),
+        "sentinel": node.sentinel.summary() if node.sentinel is not None else None,
         "time": time.time(),
     }
 
