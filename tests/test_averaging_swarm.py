@@ -69,12 +69,20 @@ FAILED_STEP = 3  # the round of this step fails on both replicas (as when matchm
 async def _check_and_break_a_round(heads, step):
     await _identical(heads, step)
     if step == FAILED_STEP - 1:
+        entered: list = []
+        both_in = asyncio.Event()
         for h in heads:
             real = h.sync._average
 
             async def fail_once(samples, grads, sync=h.sync, real=real):
+                # A round that fails for the whole group, like a matchmaking timeout: every member is in it (so
+                # none sees the other step first and follows by download), then it ends without a result.
                 sync._average = real
                 await sync.node.run_compute(sync._load_buffers, grads, sync.node.step)  # payload built, then lost
+                entered.append(sync)
+                if len(entered) == len(heads):
+                    both_in.set()
+                await asyncio.wait_for(both_in.wait(), 20)
                 return None
 
             h.sync._average = fail_once
