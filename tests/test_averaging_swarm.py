@@ -235,7 +235,7 @@ def _assert_slice_averaged(a, b, part):
                 assert not torch.equal(ta[rest], tb[rest]), f"{name}[{kind}] off the slice should still differ"
 
 
-def test_sparse_replicas_step_alone_and_average_a_seeded_slice_in_the_background():
+def test_sparse_replicas_step_on_own_gradients_and_average_a_seeded_slice_in_the_background():
     async def main():
         async with local_swarm(SPARSE, [0, 0], OPTS) as (boot, peers, nodes):
             a, b = nodes
