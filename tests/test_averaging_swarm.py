@@ -69,12 +69,20 @@ FAILED_STEP = 3  # the round of this step fails on both replicas (as when matchm
 async def _check_and_break_a_round(heads, step):
     await _identical(heads, step)
     if step == FAILED_STEP - 1:
+        entered: list = []
+        both_in = asyncio.Event()
         for h in heads:
             real = h.sync._average
 
             async def fail_once(samples, grads, sync=h.sync, real=real):
+                # A round that fails for the whole group, like a matchmaking timeout: every member is in it (so
+                # none sees the other step first and follows by download), then it ends without a result.
                 sync._average = real
                 await sync.node.run_compute(sync._load_buffers, grads, sync.node.step)  # payload built, then lost
+                entered.append(sync)
+                if len(entered) == len(heads):
+                    both_in.set()
+                await asyncio.wait_for(both_in.wait(), 20)
                 return None
 
             h.sync._average = fail_once
@@ -227,7 +235,7 @@ def _assert_slice_averaged(a, b, part):
                 assert not torch.equal(ta[rest], tb[rest]), f"{name}[{kind}] off the slice should still differ"
 
 
-def test_sparse_replicas_step_alone_and_average_a_seeded_slice_in_the_background():
+def test_sparse_replicas_step_on_own_gradients_and_average_a_seeded_slice_in_the_background():
     async def main():
         async with local_swarm(SPARSE, [0, 0], OPTS) as (boot, peers, nodes):
             a, b = nodes

@@ -71,7 +71,10 @@ def run_bootstrap(manifest: Optional[Manifest], initial_peers: Sequence[str], ho
         install_stop_signals(asyncio.get_running_loop(), stop)
         while not stop.is_set():
             if manifest is not None:
-                publish_manifest(dht, manifest)
+                try:
+                    publish_manifest(dht, manifest)
+                except TimeoutError:  # an overloaded machine or network: the next period publishes again
+                    logger.warning("publishing the manifest timed out; retrying in 20 s")
             try:
                 await asyncio.wait_for(stop.wait(), timeout=20.0)
             except asyncio.TimeoutError:
