@@ -137,6 +137,9 @@ def test_a_dead_peers_namespace_is_reused_only_once_everything_in_it_is_gone(tmp
         swarm.children.append(Child("node", "node0-2", subprocess.Popen(topo.exec_argv(second.index, ["sleep", "30"])),
                                     tmp_path / "b.log", tmp_path / "b.json", 0, second))
         helper = subprocess.Popen(topo.exec_argv(first.index, ["sleep", "30"]))  # e.g. an orphaned daemon
+        deadline = time.time() + 10  # `ip netns exec` enters the namespace a moment after Popen returns
+        while helper.pid not in netem.pids_in(first.netns) and time.time() < deadline:
+            time.sleep(0.05)
         proc.kill()
         proc.wait(timeout=10)
         assert swarm.free_slot().index == 2  # the peer is dead but something still runs in its namespace

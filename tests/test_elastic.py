@@ -361,6 +361,8 @@ def test_restart_from_checkpoints_continues_training(tmp_path):
             await _wait(lambda: all(trainer.swarm), 30, "peers announced")
             after = await trainer.send(val, train=False)
             losses = await train_steps(c, trainer, 1, seed=20)
+            # A node's step counter moves a moment before it logs the step event: wait for the events too.
+            await _wait(lambda: all(any(e["kind"] == "step" for e in n.events) for n in c.nodes), 10, "step events")
             first_steps = [next(e["step"] for e in n.events if e["kind"] == "step") for n in c.nodes]
             trainer.close()
             return resumed, after, losses, first_steps
