@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 
 from hivemind import DHT
 
@@ -69,3 +71,20 @@ def processes_mentioning(text: str) -> list[int]:
         except psutil.Error:
             continue
     return found
+
+
+async def wait_until(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
+    """Poll ``predicate`` on the test's loop until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(poll)
+
+
+def random_batches(vocab_size: int, seq_len: int, n: int, b: int = 4, seed: int = 0) -> list:
+    """``n`` seeded batches of ``b`` random token rows of ``seq_len + 1`` tokens (inputs plus the next token)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (b, seq_len + 1), generator=g) for _ in range(n)]

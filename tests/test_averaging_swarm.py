@@ -14,7 +14,7 @@ import torch
 from agora.config import load_manifest
 from agora.swarm.node import NodeOptions
 from agora.swarm.trainer import Trainer
-from swarm_util import local_swarm
+from swarm_util import local_swarm, random_batches, wait_until
 
 BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
 POWERSGD = BASE.with_overrides(**{"averaging.scheme": "powersgd", "averaging.rank": 2})
@@ -22,16 +22,10 @@ OPTS = NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0)
 
 
 def _batches(man, n, b=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, man.model.vocab_size, (b, man.model.seq_len + 1), generator=g) for _ in range(n)]
+    return random_batches(man.model.vocab_size, man.model.seq_len, n, b, seed)
 
 
-async def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
+_wait = wait_until
 
 
 async def _train(man, steps: int, check_each_step=None):

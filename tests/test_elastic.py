@@ -13,7 +13,7 @@ import logging
 import time
 
 
-from swarm_util import processes_mentioning as _processes_mentioning
+from swarm_util import processes_mentioning as _processes_mentioning, wait_until
 import torch
 
 from agora.config import load_manifest
@@ -43,12 +43,7 @@ def _batches(n, b=8, seed=0):
     return [rows[i * b:(i + 1) * b] for i in range(n)]
 
 
-async def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(0.1)
+_wait = wait_until
 
 
 def _max_diff(a: StageNode, b: StageNode) -> float:

@@ -16,22 +16,16 @@ from agora.swarm import transport
 from agora.swarm.node import FWD_BWD, NodeOptions
 from agora.swarm.peer import make_dht
 from agora.swarm.trainer import Trainer
-from swarm_util import processes_mentioning as _processes_mentioning, local_swarm
+from swarm_util import processes_mentioning as _processes_mentioning, local_swarm, random_batches, wait_until
 
 MAN = load_manifest("tiny")
 
 
 def _batches(n, b=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, MAN.model.vocab_size, (b, MAN.model.seq_len + 1), generator=g) for _ in range(n)]
+    return random_batches(MAN.model.vocab_size, MAN.model.seq_len, n, b, seed)
 
 
-async def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
+_wait = wait_until
 
 
 def test_replicas_hold_identical_parameters_after_steps():

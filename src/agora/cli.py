@@ -70,7 +70,7 @@ def sign_manifest_cmd(
     """Sign a manifest as the run's authority: writes MANIFEST.sig, which peers verify before using the file."""
     import yaml
 
-    from agora.config import ManifestError, parse_manifest, signature_path
+    from agora.config import parse_manifest, signature_path
     from agora.security.identity import load_private_key, public_key_bytes, sign_manifest
 
     try:

@@ -206,6 +206,49 @@ class StreamResult:
         return 2 * p * r / (p + r) if p + r else 0.0
 
 
+class _StreamTally:
+    """What one evaluated stream counts, message by message: corrupt messages sent, flags on corrupt (tp/fn) and
+    clean (fp/tn) ones, the attacker's detection delay, honest flag rate, the first reasons given."""
+
+    def __init__(self, monitor: SentinelMonitor, kind: Optional[str], direction: str,
+                 clean_reasons: bool = False):
+        self.monitor, self.kind, self.direction, self.clean_reasons = monitor, kind, direction, clean_reasons
+        self.tp = self.fp = self.fn = self.tn = 0
+        self.honest_flags = self.honest_msgs = 0
+        self.delay: Optional[int] = None
+        self.corrupted = 0
+        self.first_reasons: list = []
+
+    def send(self, who: str, msg: Tensor, bad: bool, step: int, tokens: Tensor, coords: Tensor) -> None:
+        """``who`` sends ``msg`` (``bad``: corrupted by the attack) and the monitor judges it."""
+        self.corrupted += bad
+        v = self.monitor.observe(who, 0, self.direction, msg, step=step, tokens=tokens,
+                                 paired=coords if self.direction == "bwd" else None)
+        if self.delay is None and self.corrupted and self.monitor.banned("attacker"):
+            self.delay = self.corrupted  # possibly banned while re-scoring warm-up, on another sender's message
+        if bad:
+            self.tp += v.flagged
+            self.fn += not v.flagged
+            if v.flagged and not self.first_reasons:
+                self.first_reasons = v.reasons[:3]
+            return
+        self.fp += v.flagged
+        self.tn += not v.flagged
+        if who != "attacker":
+            self.honest_msgs += 1
+            self.honest_flags += v.flagged
+            if self.clean_reasons and v.flagged and self.kind is None and not self.first_reasons:
+                self.first_reasons = v.reasons[:3]
+
+    def result(self, strength: float, senders: Sequence[str]) -> "StreamResult":
+        # In a clean stream the attacker's seat is honest too: its ban is a false one.
+        honest_banned = sum(self.monitor.banned(s) for s in senders if s != "attacker" or self.kind is None)
+        return StreamResult(self.kind or "clean", strength, self.direction,
+                            self.monitor.banned("attacker") if self.kind else False, self.delay, honest_banned,
+                            self.tp, self.fp, self.fn, self.tn, self.honest_flags / max(self.honest_msgs, 1),
+                            self.first_reasons)
+
+
 def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, strength: float = 0.0,
                config: Optional[SentinelConfig] = None, rounds: int = 60, attack_start: int = 20,
                seed: int = 0, n_honest: int = 2) -> StreamResult:
@@ -220,11 +263,7 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
     rng.shuffle(order)
     shares = {s: order[i::len(senders)] for i, s in enumerate(senders)}
     state = AttackState()
-    tp = fp = fn = tn = 0
-    honest_flags = honest_msgs = 0
-    delay: Optional[int] = None
-    corrupted = 0
-    first_reasons: list = []
+    tally = _StreamTally(monitor, kind, direction)
     for r in range(rounds):
         rng.shuffle(senders)
         for who in senders:
@@ -237,29 +276,10 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
             if who == "attacker" and kind is not None:
                 if r >= attack_start:
                     msg, bad = apply_attack(kind, strength, msg, gen, state), True
-                    corrupted += 1
                 else:
                     state.remember(msg)  # replay / stale attacks draw on what it sent while behaving
-            v = monitor.observe(who, 0, direction, msg, step=r, tokens=tokens,
-                                paired=coords if direction == "bwd" else None)
-            if delay is None and corrupted and monitor.banned("attacker"):
-                delay = corrupted  # possibly banned while re-scoring warm-up, on another sender's message
-            if bad:
-                tp += v.flagged
-                fn += not v.flagged
-                if v.flagged and not first_reasons:
-                    first_reasons = v.reasons[:3]
-            else:
-                fp += v.flagged
-                tn += not v.flagged
-                if who != "attacker":
-                    honest_msgs += 1
-                    honest_flags += v.flagged
-    # In a clean stream the attacker's seat is honest too: its ban is a false one.
-    honest_banned = sum(monitor.banned(s) for s in senders if s != "attacker" or kind is None)
-    attacker_banned = monitor.banned("attacker")
-    return StreamResult(kind or "clean", strength, direction, attacker_banned if kind else False,
-                        delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
+            tally.send(who, msg, bad, r, tokens, coords)
+    return tally.result(strength, senders)
 
 
 def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = None, strength: float = 0.0,
@@ -279,11 +299,7 @@ def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = No
     names = [f"honest-{i}" for i in range(senders - 1)] + ["attacker"]
     start = trace.steps // 3 if attack_start is None else attack_start
     state = AttackState()
-    tp = fp = fn = tn = 0
-    honest_flags = honest_msgs = 0
-    delay: Optional[int] = None
-    corrupted = 0
-    first_reasons: list = []
+    tally = _StreamTally(monitor, kind, direction, clean_reasons=True)
     turn: list[int] = []
     for step in range(trace.steps):
         for _ in range(messages_per_step):
@@ -300,29 +316,10 @@ def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = No
             if who == "attacker" and kind is not None:
                 if step >= start:
                     msg, bad = apply_attack(kind, strength, msg, gen, state), True
-                    corrupted += 1
                 else:
                     state.remember(msg)
-            v = monitor.observe(who, 0, direction, msg, step=step, tokens=tokens,
-                                paired=coords if direction == "bwd" else None)
-            if delay is None and corrupted and monitor.banned("attacker"):
-                delay = corrupted
-            if bad:
-                tp += v.flagged
-                fn += not v.flagged
-                if v.flagged and not first_reasons:
-                    first_reasons = v.reasons[:3]
-            else:
-                fp += v.flagged
-                tn += not v.flagged
-                if who != "attacker":
-                    honest_msgs += 1
-                    honest_flags += v.flagged
-                    if v.flagged and kind is None and not first_reasons:
-                        first_reasons = v.reasons[:3]
-    honest_banned = sum(monitor.banned(s) for s in names if s != "attacker" or kind is None)
-    return StreamResult(kind or "clean", strength, direction, monitor.banned("attacker") if kind else False,
-                        delay, honest_banned, tp, fp, fn, tn, honest_flags / max(honest_msgs, 1), first_reasons)
+            tally.send(who, msg, bad, step, tokens, coords)
+    return tally.result(strength, names)
 
 
 # Clean drift streams: (senders, messages per step). One message per step is the live ``tiny`` swarm (a step is two

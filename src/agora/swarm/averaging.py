@@ -271,13 +271,7 @@ class ReplicaSync:
             return
         if n.samples == 0:
             return
-        if n.samples != self._announced_samples and time.monotonic() - self._announced_at > 0.5:
-            self._announced_samples, self._announced_at = n.samples, time.monotonic()
-            await n.announce()
-        total = n.samples + sum(r.samples for r in others if r.step == n.step)
-        stalled = time.monotonic() - n.last_sample_time > n.opts.stall_step_s
-        if total >= self.target or stalled:
-            await self.round(0, stalled=stalled and total < self.target)
+        await self._step_when_ready(sum(r.samples for r in others if r.step == n.step), n_others=0)
 
     async def _sparse_round(self, snap: SparseSnapshot, weight: int, epoch: int) -> None:
         """One background SPARTA round: all-reduce ``snap``'s payload, then apply the delta rule on the compute
@@ -372,14 +366,20 @@ class ReplicaSync:
             return
         if n.samples == 0:
             return
+        await self._step_when_ready(sum(r.samples for r in same), n_others=len(same))
+
+    async def _step_when_ready(self, others_samples: int, n_others: int) -> None:
+        """Announce our sample count while it changes; step once the replicas at our step together hold the
+        target batch (``others_samples`` + ours), or when no sample arrived for ``stall_step_s``."""
+        n = self.node
         if n.samples != self._announced_samples and time.monotonic() - self._announced_at > 0.5:
             # Replicas decide from each other's sample counts: keep ours fresh while we accumulate.
             self._announced_samples, self._announced_at = n.samples, time.monotonic()
             await n.announce()
-        total = n.samples + sum(r.samples for r in same)
+        total = n.samples + others_samples
         stalled = time.monotonic() - n.last_sample_time > n.opts.stall_step_s
         if total >= self.target or stalled:
-            await self.round(len(same), stalled=stalled and total < self.target)
+            await self.round(n_others, stalled=stalled and total < self.target)
 
     async def banned_replicas(self) -> set[str]:
         """Replicas banned by SENTINEL (ours or published by other peers), refreshed at most every 2 s."""
