@@ -70,6 +70,20 @@ def synthetic_batch(gen: torch.Generator, vocab: int, batch: int, seq_len: int,
     return tok[:, :-1], tok[:, 1:]
 
 
+def _two_stages(m: Manifest, boundary: int, seed: int, caller: str):
+    """The head and tail stages around ``boundary`` (seeded), plus the synthetic text's generator, Zipf token
+    probabilities and bigram table, in the order both recorders draw them (so a seed gives the same data)."""
+    torch.manual_seed(seed)
+    head, tail = Stage(m, boundary), Stage(m, boundary + 1)
+    if not (head.spec.is_head and tail.spec.is_tail):
+        raise ValueError(f"{caller} needs a two-stage manifest (head and tail around the boundary)")
+    gen = torch.Generator().manual_seed(seed)
+    V = m.model.vocab_size
+    probs = 1.0 / torch.arange(1, V + 1, dtype=torch.float64) ** 1.1
+    table = torch.randint(0, V, (V, 4), generator=gen)
+    return head, tail, gen, probs, table
+
+
 def make_pool(manifest: "Manifest | str" = "tiny", n_sequences: int = 240, seed: int = 0,
               train_steps: int = 0, boundary: int = 0) -> HonestPool:
     """Run stage ``boundary`` and ``boundary + 1`` of the preset (stages in between are not supported: the pool is
@@ -78,14 +92,8 @@ def make_pool(manifest: "Manifest | str" = "tiny", n_sequences: int = 240, seed:
     m = load_manifest(manifest) if isinstance(manifest, str) else manifest
     if m.residual.mode != "subspace":
         raise ValueError("the offline SENTINEL evaluation expects a subspace-mode manifest")
-    torch.manual_seed(seed)
-    head, tail = Stage(m, boundary), Stage(m, boundary + 1)
-    if not (head.spec.is_head and tail.spec.is_tail):
-        raise ValueError("make_pool needs a two-stage manifest (head and tail around the boundary)")
-    gen = torch.Generator().manual_seed(seed)
+    head, tail, gen, probs, table = _two_stages(m, boundary, seed, "make_pool")
     V, T, B = m.model.vocab_size, m.model.seq_len, m.batch.microbatch_size
-    probs = 1.0 / torch.arange(1, V + 1, dtype=torch.float64) ** 1.1
-    table = torch.randint(0, V, (V, 4), generator=gen)
 
     def run(tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         out = head(tokens)
@@ -147,14 +155,8 @@ def make_drift_trace(manifest: "Manifest | str" = "tiny", steps: int = 240, send
     from agora.optim import build_optimizer, set_lr
 
     m = load_manifest(manifest) if isinstance(manifest, str) else manifest
-    torch.manual_seed(seed)
-    head, tail = Stage(m, boundary), Stage(m, boundary + 1)
-    if not (head.spec.is_head and tail.spec.is_tail):
-        raise ValueError("make_drift_trace needs a two-stage manifest (head and tail around the boundary)")
-    gen = torch.Generator().manual_seed(seed)
+    head, tail, gen, probs, table = _two_stages(m, boundary, seed, "make_drift_trace")
     V, T, B = m.model.vocab_size, m.model.seq_len, m.batch.microbatch_size
-    probs = 1.0 / torch.arange(1, V + 1, dtype=torch.float64) ** 1.1
-    table = torch.randint(0, V, (V, 4), generator=gen)
     opts = [build_optimizer(head, m.optimizer), build_optimizer(tail, m.optimizer)]
     fwd, bwd, toks, losses = [], [], [], []
     for step in range(steps):
