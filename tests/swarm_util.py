@@ -41,7 +41,6 @@ def leftover_children(before: set[int], timeout: float = 10.0) -> list:
     torch_shm_manager is ignored: torch starts it once per process for shared-memory tensors and it exits with
     this process, not with any test.
     """
-    import time
 
     import psutil
 

@@ -183,10 +183,8 @@ def test_powersgd_replica_stuck_inside_the_allreduce_then_killed(monkeypatch):
                 with contextlib.suppress(Exception):
                     dht.shutdown()
 
+    # Bounded: main() already failed if the survivors had not stepped within 2 x averaging timeout + 15 s.
     stepped_after, survivors = asyncio.run(main())
-    assert stepped_after < 2 * 12.0 + 15
-    # Whatever the round left, neither survivor stepped on its own un-averaged gradient: each either applied a
-    # (partly) averaged update or, when its round failed, a zero update with G + E kept for later.
     # The broken round was noticed: a survivor's round failed (zero step) or their results differed (state adopted).
     assert sum(s.sync.rounds_failed + s.sync.resyncs for s in survivors) >= 1
     print(f"survivors stepped {stepped_after:.1f}s after the crash; rounds ok/failed/resyncs: "
@@ -233,7 +231,7 @@ def test_sparse_replicas_step_on_own_gradients_and_average_a_seeded_slice_in_the
     async def main():
         async with local_swarm(SPARSE, [0, 0], OPTS) as (boot, peers, nodes):
             a, b = nodes
-            await _wait(lambda: a.sync.scheme == b.sync.scheme == "sparse", 1, "sparse scheme")
+            assert a.sync.scheme == b.sync.scheme == "sparse"
             seen = {}
 
             async def both_see_each_other():

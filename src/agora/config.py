@@ -139,6 +139,20 @@ class AveragingConfig(_Strict):
     rho: float = Field(default=0.05, gt=0, le=1, description="fraction of the state averaged per round (sparse)")
     every: int = Field(default=20, ge=1, description="optimizer steps between sparse rounds (sparse only)")
 
+    @model_validator(mode="after")
+    def _settings_of_the_scheme(self) -> "AveragingConfig":
+        """Settings of another scheme are a mistake (they would silently do nothing): refuse them."""
+        def changed(*names: str) -> bool:
+            return any(getattr(self, f) != type(self).model_fields[f].default for f in names)
+
+        if self.scheme != "powersgd" and changed("rank", "warm_start"):
+            raise ValueError(f"averaging.rank/warm_start only apply to scheme 'powersgd' (scheme is "
+                             f"{self.scheme!r}); remove them or set averaging.scheme: powersgd")
+        if self.scheme != "sparse" and changed("rho", "every"):
+            raise ValueError(f"averaging.rho/every only apply to scheme 'sparse' (scheme is {self.scheme!r}); "
+                             f"remove them or set averaging.scheme: sparse")
+        return self
+
 
 class Manifest(_Strict):
     run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
@@ -163,13 +177,6 @@ class Manifest(_Strict):
                 f"stages={self.stages} sum to {sum(self.stages)} layers but model.n_layers={self.model.n_layers}; "
                 f"make them add up (you have more stages than layers if this cannot work)"
             )
-        a = self.averaging
-        if a.scheme != "powersgd" and (a.rank != 4 or a.warm_start):
-            raise ValueError(f"averaging.rank/warm_start only apply to scheme 'powersgd' (scheme is {a.scheme!r}); "
-                             f"remove them or set averaging.scheme: powersgd")
-        if a.scheme != "sparse" and (a.rho != 0.05 or a.every != 20):
-            raise ValueError(f"averaging.rho/every only apply to scheme 'sparse' (scheme is {a.scheme!r}); "
-                             f"remove them or set averaging.scheme: sparse")
         if self.residual.mode == "subspace":
             if self.residual.k is None:
                 raise ValueError("residual.k is required when residual.mode is 'subspace' (try k = d_model / 64)")
@@ -248,20 +255,21 @@ def load_manifest(path_or_preset: str | Path) -> Manifest:
     name = str(path_or_preset)
     if name in PRESETS:
         text = resources.files("agora.presets").joinpath(f"{name}.yaml").read_text()
-        source = f"preset {name!r}"
+        source, raw = f"preset {name!r}", None
     else:
         path = Path(name)
         if not path.exists():
             raise ManifestError(f"manifest {name!r} not found: pass a YAML file or one of the presets {PRESETS}")
-        text = path.read_text()
+        raw = path.read_bytes()  # parsed and signature-checked from the same bytes
+        text = raw.decode()
         source = str(path)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ManifestError(f"invalid manifest {source}: not valid YAML ({err})") from None
     manifest = parse_manifest(data, source)
-    if manifest.security.authority and name not in PRESETS:
-        check_manifest_signature(Path(name), manifest)
+    if manifest.security.authority and raw is not None:
+        check_manifest_signature(Path(name), manifest, raw)
     return manifest
 
 
@@ -269,8 +277,9 @@ def signature_path(manifest_path: Path) -> Path:
     return manifest_path.with_name(manifest_path.name + ".sig")
 
 
-def check_manifest_signature(path: Path, manifest: Manifest) -> None:
-    """Refuse a manifest that names an authority unless ``FILE.sig`` is that authority's signature of the file.
+def check_manifest_signature(path: Path, manifest: Manifest, raw: bytes) -> None:
+    """Refuse a manifest that names an authority unless ``FILE.sig`` is that authority's signature of ``raw``, the
+    file's bytes as they were parsed.
 
     Why the exact file bytes: the signature then covers everything a peer acts on, comments included, and a
     modified copy (a changed learning rate, another corpus) is refused before anything is built from it.
@@ -281,6 +290,6 @@ def check_manifest_signature(path: Path, manifest: Manifest) -> None:
     if not sig.exists():
         raise ManifestError(f"manifest {path} names an authority (security.authority) but its signature {sig} is "
                             f"missing; get it from the run's organiser (`agora sign-manifest` writes it)")
-    if not verify_manifest(path.read_bytes(), sig.read_bytes().strip(), manifest.security.authority):
+    if not verify_manifest(raw, sig.read_bytes().strip(), manifest.security.authority):
         raise ManifestError(f"manifest {path} does not match its signature {sig}: the file was modified after the "
                             f"authority signed it, or signed by another key. Refusing to use it.")

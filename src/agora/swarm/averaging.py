@@ -41,6 +41,7 @@ payload bytes, not estimates.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import logging
 import random
 import time
@@ -111,16 +112,16 @@ class ReplicaSync:
             a = m.averaging
             self.sparse = SparseAverager(list(node.stage.named_parameters()), node.optimizer,
                                          seed=(m.run_id, node.stage_index), rho=a.rho, every=a.every)
-            self.buffers = [torch.zeros(self.sparse.payload_numel(), dtype=torch.float64)]
-            self.averager = DecentralizedAverager(self.buffers, node.dht, **settings)
+            payload = [torch.zeros(self.sparse.payload_numel(), dtype=torch.float64)]
+            self.averager = DecentralizedAverager(payload, node.dht, **settings)
         else:
-            self.buffers = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-            self.averager = DecentralizedAverager(self.buffers, node.dht, **settings)
+            gradients = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+            self.averager = DecentralizedAverager(gradients, node.dht, **settings)
         self._compressed_step: Optional[int] = None  # step whose PowerSGD payload is built and not yet resolved
         self._sparse_task: Optional[asyncio.Task] = None  # the background SPARTA round in flight (at most one)
         self._samples_since_round = 0  # the weight of this replica in the next SPARTA round
         self._epoch = 0  # bumped by every state download: a SPARTA round snapshotted before one is dropped
-        self.round_bytes: list[int] = []  # all-reduce payload bytes this replica sent, per successful round
+        self.round_bytes: deque[int] = deque(maxlen=100)  # all-reduce payload bytes we sent, per successful round
         self.fingerprint = parameter_fingerprint(node.stage)
         self.fingerprint_step = node.step  # the step ``fingerprint`` was computed at (records carry it only then)
         self.lock = asyncio.Lock()  # held for a whole tick: a stage move waits for it, so never stops a round midway
@@ -131,7 +132,6 @@ class ReplicaSync:
         self.rounds_failed = 0
         self.local_steps = 0
         self.resyncs = 0
-        self.round_durations: list[float] = []
         self._announced_samples, self._announced_at = 0, 0.0
         self.averaging_step = -1
         self._banned: set[str] = set()
@@ -294,17 +294,8 @@ class ReplicaSync:
             result = await self._await_round(control, None, timeout)
         except Exception as err:  # a failed round, not a failed node
             logger.warning(f"stage {n.stage_index}: SPARTA round {snap.round_index} raised {err!r}")
-        members = {str(p) for p in result} if result is not None else set()
         rounds = {g.get("round") for g in result.values() if isinstance(g, dict)} if result is not None else set()
-        outsiders: set[str] = set()
-        if members and n.members is not None:  # allow-listed run: only certified replicas of this stage count
-            try:
-                outsiders = members - {r.peer_id for r in await self.replicas()} - {n.peer_id}
-            except Exception as err:  # cannot tell who was in the group: treat them all as unknown
-                logger.warning(f"stage {n.stage_index}: reading the replicas failed: {err!r}")
-                outsiders = members - {n.peer_id}
-        if (result is None or len(result) < 2 or rounds != {snap.round_index} or members & self._banned
-                or outsiders):
+        if (result is None or len(result) < 2 or rounds != {snap.round_index} or await self._untrusted(result)):
             # No group, a group that mixed replicas of different rounds (different partition classes), a banned
             # or an uncertified member: applying it would corrupt our slice; drop it.
             self.rounds_failed += 1
@@ -328,7 +319,6 @@ class ReplicaSync:
             return
         self.rounds_ok += 1
         self.round_bytes.append(self.bytes_sent - sent_before)
-        del self.round_bytes[:-100]
         n.log_event("sparse_round", step=n.step, round=snap.round_index, group=len(result), delay_steps=k,
                     seconds=time.monotonic() - t0)
         logger.info(f"stage {n.stage_index}: SPARTA round {snap.round_index} (part {snap.part}) with {len(result)} "
@@ -380,6 +370,30 @@ class ReplicaSync:
         stalled = time.monotonic() - n.last_sample_time > n.opts.stall_step_s
         if total >= self.target or stalled:
             await self.round(n_others, stalled=stalled and total < self.target)
+
+    async def _untrusted(self, result: dict) -> bool:
+        """Whether a finished round's group holds a member whose contribution must not reach our parameters.
+
+        hivemind's matchmaking cannot exclude anyone, so this is checked after the all-reduce: a replica banned by
+        SENTINEL, or, in an allow-listed run (its matchmaking keys carry no certificate), a member without a
+        certified record of this stage. If the replicas cannot be read, every other member counts as unknown.
+        """
+        n = self.node
+        members = {str(p) for p in result} - {n.peer_id}
+        if members & self._banned:
+            logger.warning(f"stage {n.stage_index}: a banned replica joined the round; discarding it")
+            return True
+        if n.members is None or not members:
+            return False
+        try:
+            outsiders = members - {r.peer_id for r in await self.replicas()}
+        except Exception as err:
+            logger.warning(f"stage {n.stage_index}: reading the replicas failed: {err!r}")
+            outsiders = members
+        if outsiders:
+            logger.warning(f"stage {n.stage_index}: uncertified peers {sorted(outsiders)} joined the round; "
+                           f"discarding it")
+        return bool(outsiders)
 
     async def banned_replicas(self) -> set[str]:
         """Replicas banned by SENTINEL (ours or published by other peers), refreshed at most every 2 s."""
@@ -521,20 +535,8 @@ class ReplicaSync:
                 result = None
             finally:
                 self.averaging_step = -1
-            if result is not None and {str(p) for p in result} & self._banned:
-                # A banned replica slipped into the group (hivemind matchmaking cannot exclude it): its gradient
-                # would poison ours, so drop the round and step on our own gradient.
-                logger.warning(f"stage {n.stage_index}: a banned replica joined the round; discarding it")
+            if result is not None and await self._untrusted(result):
                 result = None
-            if result is not None and n.members is not None:
-                # Allow-listed run: hivemind's matchmaking keys are not certified, so an outsider could enter the
-                # group; only replicas holding a certified record of this stage may contribute to our update.
-                allowed = {r.peer_id for r in await self.replicas()} | {n.peer_id}
-                outsiders = {str(p) for p in result} - allowed
-                if outsiders:
-                    logger.warning(f"stage {n.stage_index}: uncertified peers {sorted(outsiders)} joined the round; "
-                                   f"discarding it")
-                    result = None
             if result is not None:
                 group = len(result)
                 steps = {g.get("step") for g in result.values() if isinstance(g, dict)}
@@ -543,7 +545,6 @@ class ReplicaSync:
                 averaged = await n.run_compute(self._averaged)
                 self.rounds_ok += 1
                 self.round_bytes.append(self.bytes_sent - sent_before)
-                del self.round_bytes[:-100]
             else:
                 self.rounds_failed += 1
                 logger.warning(f"stage {n.stage_index}: all-reduce with {n_others} replicas failed; stepping locally")
@@ -566,8 +567,6 @@ class ReplicaSync:
             self._sparse_task = asyncio.create_task(self._sparse_round(snap, weight, epoch),
                                                     name=f"sparta-round-{snap.round_index}")
         dt = time.monotonic() - t0
-        self.round_durations.append(dt)
-        del self.round_durations[:-100]
         for observe in self.round_observers:
             observe(n_others == 0 or group > 1, dt, group)
         n.log_event("step", step=n.step, samples=samples, group=group, seconds=dt, stalled=stalled)

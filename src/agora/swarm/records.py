@@ -22,6 +22,8 @@ from typing import Any, Optional
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from agora.security.identity import owner_subkey, subkey_peer_id
+
 RECORD_TTL_S = 8.0  # a record lives this long unless refreshed; ~3x the announce period
 ANNOUNCE_PERIOD_S = 2.5
 
@@ -113,11 +115,7 @@ def bind_owner_key(dht: DHT, key: Any) -> None:
 def announce(dht: DHT, key: str, subkey: str, value: dict, ttl: float = RECORD_TTL_S) -> bool:
     value = dict(value, updated=time.time())
     owner = _OWNER_KEYS.get(dht)
-    stored_subkey: Any = subkey
-    if owner is not None:
-        from agora.security.identity import owner_subkey
-
-        stored_subkey = owner_subkey(subkey, owner)
+    stored_subkey: Any = subkey if owner is None else owner_subkey(subkey, owner)
     future = dht.store(key, subkey=stored_subkey, value=value, expiration_time=get_dht_time() + ttl,
                        return_future=True)
     return bool(future.result(timeout=DHT_TIMEOUT_S))
@@ -129,8 +127,6 @@ def read_subkeys(dht: DHT, key: str, latest: bool = True) -> dict[str, Any]:
     Owner-signed subkeys (``peer_id[owner:ssh-rsa ...]``) are reported by their peer id: the validators already
     checked the signature and that the key is that peer's.
     """
-    from agora.security.identity import subkey_peer_id
-
     found = dht.get(key, latest=latest, return_future=True).result(timeout=DHT_TIMEOUT_S)
     if found is None or not isinstance(found.value, dict):
         return {}
