@@ -70,8 +70,9 @@ def sign_manifest_cmd(
     """Sign a manifest as the run's authority: writes MANIFEST.sig, which peers verify before using the file."""
     import yaml
 
-    from agora.config import parse_manifest, signature_path
-    from agora.security.identity import load_private_key, public_key_bytes, sign_manifest
+    from agora.config import parse_manifest
+    from agora.security.identity import load_private_key, public_key_bytes
+    from agora.swarm.credentials import write_manifest_signature
 
     try:
         authority = load_private_key(key)
@@ -83,8 +84,7 @@ def sign_manifest_cmd(
         console.print(f"[red]error:[/red] security.authority of {manifest_file} is not the public key of {key}; put "
                       f"the content of {key}.pub there first")
         raise typer.Exit(2)
-    sig = signature_path(manifest_file)
-    sig.write_bytes(sign_manifest(manifest_file.read_bytes(), authority) + b"\n")
+    sig = write_manifest_signature(manifest_file, authority)
     console.print(f"wrote {sig}; manifest hash {m.hash}")
 
 
@@ -99,8 +99,8 @@ def certify(
     """Admit a peer's key to an allow-listed run: writes a certificate signed by the authority."""
     import time
 
-    from agora.security.identity import issue_certificate, load_private_key, peer_id_of
-    from agora.swarm.credentials import save_certificate
+    from agora.security.identity import load_private_key, peer_id_of
+    from agora.swarm.credentials import certify as certify_key
 
     text = Path(peer_key).read_text().strip() if Path(peer_key).exists() else peer_key.strip()
     try:
@@ -109,8 +109,7 @@ def certify(
     except (OSError, ValueError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2)
-    cert = issue_certificate(authority, run_id, text, expires=time.time() + days * 86400 if days > 0 else 0.0)
-    save_certificate(cert, out)
+    certify_key(authority, run_id, text, out, expires=time.time() + days * 86400 if days > 0 else 0.0)
     console.print(f"wrote {out}: peer {peer} may take part in run {run_id!r}")
 
 

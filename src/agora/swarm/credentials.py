@@ -77,6 +77,25 @@ def save_certificate(cert: Certificate, path: str | Path) -> None:
     Path(path).write_text(json.dumps(cert.to_value(), indent=1) + "\n")
 
 
+def write_manifest_signature(manifest_path: Path, authority: RSAPrivateKey) -> Path:
+    """Sign the manifest file's exact bytes as the run's authority; returns the ``FILE.sig`` written."""
+    from agora.config import signature_path
+    from agora.security.identity import sign_manifest
+
+    sig = signature_path(manifest_path)
+    sig.write_bytes(sign_manifest(manifest_path.read_bytes(), authority) + b"\n")
+    return sig
+
+
+def certify(authority: RSAPrivateKey, run_id: str, peer_key, out: str | Path, expires: float = 0.0) -> Certificate:
+    """Admit ``peer_key`` (any public-key form) to ``run_id`` and save the certificate at ``out``."""
+    from agora.security.identity import issue_certificate
+
+    cert = issue_certificate(authority, run_id, peer_key, expires=expires)
+    save_certificate(cert, out)
+    return cert
+
+
 def load_credentials(manifest: Manifest, identity: Optional[str], certificate: Optional[str],
                      writes: bool = True) -> Credentials:
     """The key and certificate this peer uses in ``manifest``'s run, checked before anything is started.

@@ -107,27 +107,30 @@ class LocalAuthority:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.key = generate_key()
         save_private_key(self.key, self.dir / "authority.key")
+        self.run_id: Optional[str] = None  # set by secure()
 
     def secure(self, manifest: Manifest) -> Manifest:
         from agora.security.identity import public_key_bytes
 
+        self.run_id = manifest.run_id
         security = {"authority": public_key_bytes(self.key).decode(), "allow_list": True}
         return manifest.with_overrides(security=security)
 
     def sign(self, manifest_path: Path) -> None:
-        from agora.config import signature_path
-        from agora.security.identity import sign_manifest
+        from agora.swarm.credentials import write_manifest_signature
 
-        signature_path(manifest_path).write_bytes(sign_manifest(manifest_path.read_bytes(), self.key) + b"\n")
+        write_manifest_signature(manifest_path, self.key)
 
-    def credentials(self, name: str, run_id: str) -> list[str]:
+    def credentials(self, name: str) -> list[str]:
         """``--identity/--certificate`` arguments of a fresh certified key for process ``name``."""
-        from agora.security.identity import generate_key, issue_certificate, save_private_key
-        from agora.swarm.credentials import save_certificate
+        from agora.security.identity import generate_key, save_private_key
+        from agora.swarm.credentials import certify
 
+        if self.run_id is None:
+            raise RuntimeError("LocalAuthority.secure() must run before credentials are issued")
         key = generate_key()
         save_private_key(key, self.dir / f"{name}.key")
-        save_certificate(issue_certificate(self.key, run_id, key), self.dir / f"{name}.cert")
+        certify(self.key, self.run_id, key, self.dir / f"{name}.cert")
         return ["--identity", str(self.dir / f"{name}.key"), "--certificate", str(self.dir / f"{name}.cert")]
 
 
@@ -252,7 +255,6 @@ class Swarm:
         allow-listed run, every peer started with a certified key."""
         self.manifest_path = manifest_path
         self.authority = authority
-        self.run_id = load_manifest(str(manifest_path)).run_id if authority is not None else None
         self.env = env or {}
         self.topology = topology
         self.out = out
@@ -271,7 +273,7 @@ class Swarm:
         summary = self.out / "procs" / f"{name}.json"
         cmd = [sys.executable, "-m", "agora.cli", role, *args]
         if self.authority is not None and role in ("bootstrap", "node", "train"):
-            cmd += self.authority.credentials(name, self.run_id)
+            cmd += self.authority.credentials(name)
         if role != "bootstrap":
             cmd += ["--summary", str(summary)]
         slot = None

@@ -80,8 +80,8 @@ class Trainer:
         self.bans = BanList(self.opts.ban_s)
         self.swarm: list[list[StageRecord]] = [[] for _ in range(manifest.n_stages)]
         self.inflight: dict[str, int] = {}
-        self.acks: dict[str, int] = {}
-        self.banned: set[str] = set()  # head-stage results received, per head peer (receiver-side accounting)
+        self.acks: dict[str, int] = {}  # head-stage results received, per head peer (receiver-side accounting)
+        self.banned: set[str] = set()  # heads banned by the next stage's SENTINEL (published in the DHT)
         seed = manifest.seed if data_seed is None else data_seed
         self._batches = shard.batches(manifest.batch.microbatch_size, seed=seed) if shard is not None else None
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="trainer-dht")
