@@ -72,6 +72,21 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def kill_pids(pids: list[int]) -> None:
+    """SIGKILL what a failed test left behind, by PID (never by name), so the next test starts clean."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.kill()
+            procs.append(proc)
+        except psutil.Error:
+            continue
+    psutil.wait_procs(procs, timeout=10)
+
+
 async def wait_until(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
     """Poll ``predicate`` on the test's loop until it holds; fail naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from agora import netem
-from swarm_util import leftover_children, processes_mentioning
+from swarm_util import kill_pids, leftover_children, processes_mentioning
 
 ok, reason = netem.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"needs root and network namespaces: {reason}")
@@ -82,6 +82,11 @@ def test_demo_runs_every_peer_in_its_own_capped_namespace_and_removes_them(tmp_p
         left_namespaces = [n for n in netem.list_namespaces() if n.startswith(mine)]
         left_procs = processes_mentioning(str(out))
         left_children = leftover_children(before)
+        # A failed run must not leak into the next test: kill by PID and remove the namespaces it named.
+        kill_pids(left_procs + [p.pid for p in left_children])
+        for name in left_namespaces:
+            netem.kill_inside(name)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
     print(f"netns demo: {time.monotonic() - t0:.1f} s, {summary['tokens_per_s']:.0f} tokens/s")
     assert left_namespaces == [], left_namespaces
     assert left_procs == [], left_procs

@@ -13,7 +13,7 @@ import logging
 import time
 
 
-from swarm_util import processes_mentioning as _processes_mentioning, wait_until
+from swarm_util import kill_pids, processes_mentioning as _processes_mentioning, wait_until
 import torch
 
 from agora.config import load_manifest
@@ -386,6 +386,7 @@ def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behi
     finally:
         time.sleep(1)
         leftovers = _processes_mentioning(str(out))
+        kill_pids(leftovers)
     assert leftovers == [], leftovers
     assert summary["finished"]
     kills = summary["chaos_kills"]

@@ -16,7 +16,7 @@ from agora.swarm import transport
 from agora.swarm.node import FWD_BWD, NodeOptions
 from agora.swarm.peer import make_dht
 from agora.swarm.trainer import Trainer
-from swarm_util import processes_mentioning as _processes_mentioning, local_swarm, random_batches, wait_until
+from swarm_util import processes_mentioning as _processes_mentioning, kill_pids, local_swarm, random_batches, wait_until
 
 MAN = load_manifest("tiny")
 
@@ -146,11 +146,17 @@ def test_node_with_another_manifest_exits_naming_both_hashes(tmp_path):
 
 def test_demo_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "agora.cli", "demo", "--stages", "2", "--replicas", "2", "--preset", "tiny",
-         "--steps", "3", "--out", str(out), "--no-live", "--timeout", "400"],
-        capture_output=True, text=True, timeout=500,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "agora.cli", "demo", "--stages", "2", "--replicas", "2", "--preset", "tiny",
+             "--steps", "3", "--out", str(out), "--no-live", "--timeout", "400"],
+            capture_output=True, text=True, timeout=500,
+        )
+    finally:
+        time.sleep(1)
+        leftovers = _processes_mentioning(str(out))
+        kill_pids(leftovers)  # a killed demo's peers live in their own sessions: reap them by PID
+    assert leftovers == [], leftovers
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     for key in ("tokens", "wall_s", "cpu_s_by_process", "tokens_per_s", "loss_curve", "steps_per_stage",
@@ -163,5 +169,3 @@ def test_demo_end_to_end(tmp_path):
     curve = [p["loss"] for p in summary["loss_curve"]]
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3  # the loss went down
     assert (out / "report.html").exists() and "data:image/png;base64" in (out / "report.html").read_text()
-    time.sleep(1)
-    assert _processes_mentioning(str(out)) == []

@@ -6,15 +6,10 @@ and is how latency is injected at all, because the machines we run on may lack t
 :class:`NetnsTopology` builds real, kernel-enforced bandwidth caps (``tc tbf``) between network namespaces,
 which also catches effects an in-process throttle cannot (TCP slow start, queueing, libp2p framing).
 
-LinkThrottle integration (lead, ``src/agora/swarm/transport.py``): one throttle per process = this peer's egress
-link, shared by every call and handler (concurrent senders queue behind each other, as on a real uplink)::
-
-    throttle = LinkThrottle.from_env()        # None unless AGORA_LINK="80mbit,50ms" (or "50ms", "80mbit") is set
-    # _call._send_all, before each write:
-    for i, request in enumerate(requests):
-        if throttle: await throttle.send(request.ByteSize(), latency=(i == 0))
-        await P2P.send_protobuf(request, writer)
-    # add_handler._serve, before each ``yield reply``: the same, with latency=(first reply)
+How it is used: each process builds one throttle from ``AGORA_LINK`` (``LinkThrottle.from_env()``; "80mbit,50ms",
+"50ms" or "80mbit") as its egress link, shared by every call and handler, so concurrent senders queue behind each
+other as on a real uplink; ``agora.swarm.transport`` awaits ``throttle.send(nbytes, latency=first)`` before each
+message it writes, on calls and on replies.
 
 A message of B bytes then takes at least ``latency + B*8/X`` to leave, and a request/reply RPC pays the latency
 twice (once per direction), like a real path with RTT = 2 * latency. Throttling the sender only is deliberate:

@@ -73,25 +73,11 @@ below the per-message spread; a 0.2 x rms forward bias on an untrained model is 
 after 50 training steps). Near-duplicate data on different token ids (heavy padding, duplicated documents) would be
 mistaken for replays.
 
-Integration into ``StageNode`` (the lead wires it; nothing in ``agora.swarm`` imports this module yet)::
-
-    # __init__
-    self.sentinel = SentinelMonitor(SentinelConfig(seed=manifest.seed))
-    # _handle_fwd_bwd, right after self._validate(meta, tensors), for non-head stages (forward boundary arrives):
-    v = self.sentinel.observe(str(caller), self.stage_index - 1, "fwd", tensors[0], step=meta.get("step"),
-                              tokens=tensors[-2])
-    if v.flagged:
-        raise self._reject("sentinel", "; ".join(v.reasons))        # drop the microbatch, do not compute
-    # _handle_fwd_bwd, after the finite check on down_tensors[0], before run_compute(self._backward, ...):
-    #   _call_next must also return the peer id it actually called (never trust down_meta["path"][0],
-    #   which the downstream peer writes itself).
-    v = self.sentinel.observe(called_peer_id, self.stage_index, "bwd", down_tensors[0], step=self.step,
-                              tokens=pending.tokens, paired=boundary.coords)
-    if v.flagged:
-        raise RpcError("sentinel", ...)                               # drop: do not apply a suspect gradient
-    # routing: pass exclude=[*tried, *self.sentinel.banned_peers()] to pick_peer; a ban here is permanent,
-    # unlike BanList's 15 s failure bans. Publish bans under records.bans_key(run_id) for dashboards; other peers
-    # should treat published bans as advisory evidence, not act on one reporter's word.
+How ``StageNode`` uses it (``agora node --sentinel``): ``_screen`` calls ``observe`` off the event loop for every
+received training activation (upstream sender, direction ``fwd``) and every gradient returned by the peer it
+called (direction ``bwd``, paired with the coordinates it sent); a flagged message is dropped (refused, or retried
+on another replica), a banned sender is refused and skipped by routing and averaging, and bans are published under
+``records.bans_key(run_id)``, where other peers treat them as advisory evidence.
 
 Cost: ~1 ms per [8, 64, 8] message and ~10-20 ms per [8, 1024, 51] one on one CPU thread (linear in size), so for
 real message sizes call it off the event loop, e.g. ``await self.run_io(functools.partial(self.sentinel.observe,
