@@ -61,7 +61,6 @@ def test_backward_after_an_optimizer_step_uses_the_stashed_weights():
 
     before, node = asyncio.run(main())
     (before(batch[:, :-1]) @ before.basis).backward(grad_out)
-    assert node.counters.recomputed == 0
     for (name, p), (_, ref) in zip(node.stage.named_parameters(), before.named_parameters()):
         assert not torch.equal(p.detach(), ref.detach()), name  # the live weights did move
         assert torch.allclose(p.grad, ref.grad, atol=1e-6), name

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
-MICROBATCH_KINDS = ("forward", "backward", "eval", "failed", "retried", "rejected", "recomputed")
+MICROBATCH_KINDS = ("forward", "backward", "eval", "failed", "retried", "rejected")
 
 
 def boundary_names(node: "StageNode") -> tuple[str, Optional[str]]:

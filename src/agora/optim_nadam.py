@@ -33,40 +33,11 @@ State layout is torch's (``exp_avg``, ``exp_avg_sq``, ``step`` as a 0-dim float 
 which is recomputed from ``step`` when missing: ``StageNode.export_state``/``import_state`` (which only carry
 ``exp_avg``/``exp_avg_sq``/``step``) keep working unchanged.
 
-Integration (lead; ``src/agora/swarm/node.py`` + ``src/agora/optim.py``):
-
-1. ``optim.build_optimizer``: when ``cfg.name == "nadam"`` (add ``"nadam"`` to ``OptimizerConfig.name`` plus
-   ``momentum_decay: float = 0.004``; use ``betas=(0.99, 0.999)`` in presets) build
-   ``DelayedNAdam(groups, lr=..., betas=cfg.betas, weight_decay=..., momentum_decay=cfg.momentum_decay,
-   delay=tau_s if lookahead else 0)``, with the same two decay/no-decay groups. ``set_lr`` works unchanged.
-   ``tau_s = num_stages - 1 - stage_index``. Optionally ``betas=(beta1_for_delay(b1, tau_s, P), b2)``.
-2. ``StageNode.__init__``: ``self.stash = WeightStash(list(self.stage.parameters()), max_versions=tau_s + 2)``.
-3. ``_forward`` (compute thread, training only)::
-
-       ahead = lambda: self.optimizer.lookahead_weights(params=self.stash.params)  # stash order, not group order
-       version = self.stash.acquire(self.step, make=ahead)
-       with self.stash.use(version):
-           leaf, out = self._forward_from(...)
-       pending.version = version
-
-   (``make`` may be omitted when look-ahead is off: the stash then clones the live parameters.) On the tail, whose
-   ``_forward`` also runs the backward, both happen inside the one ``use`` block (its tau is 0 anyway).
-4. ``_backward``: run the recompute *and* ``backward()`` inside ``with self.stash.use(pending.version):``
-   (autograd reads the parameters at backward time, so both must see the stashed weights), then
-   ``self.stash.release(pending.version)``. Keep the existing rule "recompute if ``pending.step != self.step``":
-   the optimizer's in-place update bumps the parameters' version counters, so the old graph is unusable even
-   though the stashed storage is intact. Catch ``KeyError`` from ``use`` (version evicted: the microbatch is too
-   old) and reject the backward with an ``RpcError("stale", ...)``.
-5. Microbatches whose backward never arrives (trainer died) would pin their version; the stash evicts the oldest
-   version when full, so this cannot leak memory. Call ``stash.clear()`` after ``import_state`` (a resync changes
-   the weights under every version).
-
-Staleness in the swarm is not the fixed ``P-1-s`` of 1F1B: a gradient is applied when the replica group completes
-a batch. Measure it (``apply step - pending.step`` at backward time) and set ``group["delay"]`` for every group
-to a running mean (e.g. an EMA); ``lookahead_weights`` reads it at every new version.
-
-Memory: one extra copy of the stage's parameters per live version (PipeDream's cost); with look-ahead on, one per
-optimizer step that had a forward, even when no backward is pending across a step.
+How the swarm uses this: ``agora.optim.build_optimizer`` builds ``DelayedNAdam`` when ``optimizer.name`` is
+``nadam`` (``delay`` = the stage's pipeline depth when ``lookahead`` is on). ``StageNode`` does its own weight
+stashing (one detached snapshot per parameter version, run with ``torch.func.functional_call``, gradients moved
+to the live parameters): it needs no eviction, because a snapshot dies with the last microbatch holding it.
+:class:`WeightStash` is the bounded, explicit form of the same idea, used by the delayed-gradient toy in the tests.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ calls a peer of the next stage with the compressed boundary, receives the gradie
 backward and returns the gradient of its input. Activations never return through the trainer.
 
 Optimizer steps vs microbatches in flight: a microbatch keeps its autograd graph while downstream stages work.
-If this stage stepped in between (parameters changed in place), the graph is stale; we then recompute the
-forward from the stashed input with the current parameters before the backward (PyTorch's version check would
-otherwise refuse, rightly). ``version`` counts every change of the parameters (steps and state imports alike).
+The forward runs on a snapshot of the weights of the current parameter version (one snapshot per version,
+shared by its microbatches), so a step taken in between changes neither the graph nor the function its backward
+differentiates; the gradient is then moved to the live parameters. ``version`` counts every change of the
+parameters (steps and state imports alike) and decides when a new snapshot is taken.
 
 Lifecycle: joining -> syncing -> serving -> leaving, announced in the DHT with a short expiry. A graceful leave
 (SIGTERM/SIGINT, or ``stop()``) stops taking work, drains in-flight microbatches up to a deadline, announces
@@ -33,7 +34,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from hivemind import DHT
@@ -136,7 +137,6 @@ class Counters:
     retried: int = 0
     failed: int = 0
     rejected: int = 0
-    recomputed: int = 0
     busy_s: float = 0.0
     # Staleness: optimizer steps this stage took between a microbatch's forward and its backward (its gradient is
     # applied at the next step after that). Sum and count give the mean; the max bounds the pipeline's delay.
@@ -149,12 +149,10 @@ class Counters:
 class _Pending:
     """What a microbatch left on this stage between its forward and its backward."""
 
-    inputs: Any  # token ids (head) or the decompressed-from coordinates (others)
     tokens: torch.Tensor
     leaf: Optional[torch.Tensor]
     out: torch.Tensor
     step: int
-    version: int = 0  # the node's parameter version at the forward: recompute before the backward if it changed
     generation: int = 0  # the node's stage generation: a microbatch of a stage the node left is refused
     fwd_s: float = 0.0  # compute seconds of the forward (throughput counts forward + backward per microbatch)
     weights: Optional[dict] = None  # the stashed parameter snapshot the forward ran on (see StageNode._stashed)
@@ -553,8 +551,7 @@ class StageNode:
         fwd_s = self._account(t0, tokens.numel(), "forward")
         if self.is_tail and train:
             self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
-        pending = _Pending(tensors[0] if not self.is_head else None, tokens, leaf, out, self.step, self.version,
-                           self.generation, fwd_s, stash)
+        pending = _Pending(tokens, leaf, out, self.step, self.generation, fwd_s, stash)
         return pending, loss
 
     def _stashed(self) -> dict:
@@ -577,11 +574,8 @@ class StageNode:
     def _backward(self, pending: _Pending, grad_out: torch.Tensor) -> Optional[torch.Tensor]:
         self._check_generation(pending.generation)
         t0 = time.perf_counter()
-        if pending.weights is None and pending.version != self.version:
-            # Parameters moved since this microbatch's forward and it ran unstashed: recompute on the current ones.
-            self.counters.recomputed += 1
-            with torch.enable_grad():
-                pending.leaf, pending.out = self._forward_from(pending.inputs, pending.tokens)
+        # Every training forward of a stage that sends a boundary ran on a weight snapshot (``_forward``): the
+        # backward differentiates exactly that function, whatever steps were taken since. No recompute.
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
         sent.backward(grad_out.to(sent.dtype))
