@@ -207,16 +207,27 @@ def issue_certificate(authority: RSAPrivateKey, run_id: str, peer_key: PublicKey
     return Certificate(run_id, key, float(expires), authority.sign(_cert_message(run_id, key, expires)))
 
 
+def certificate_problem(cert: Optional[Certificate], authority: PublicKeyLike, run_id: str,
+                        peer_key: PublicKeyLike, now: Optional[float] = None) -> Optional[str]:
+    """Why ``cert`` does not admit ``peer_key`` to ``run_id`` (a phrase for error messages), or None if it does."""
+    if cert is None:
+        return "there is no certificate"
+    if cert.public_key != public_key_bytes(peer_key):
+        return "it was issued for another key"
+    if cert.run_id != run_id:
+        return f"it is for run {cert.run_id!r}"
+    if cert.expires and (now if now is not None else time.time()) > cert.expires:
+        return "it expired"
+    try:
+        ok = public_key(authority).verify(_cert_message(run_id, cert.public_key, cert.expires), cert.signature)
+    except Exception:
+        ok = False
+    return None if ok else "its signature is not the authority's"
+
+
 def verify_certificate(cert: Optional[Certificate], authority: PublicKeyLike, run_id: str,
                        peer_key: PublicKeyLike, now: Optional[float] = None) -> bool:
-    if cert is None or cert.run_id != run_id or cert.public_key != public_key_bytes(peer_key):
-        return False
-    if cert.expires and (now if now is not None else time.time()) > cert.expires:
-        return False
-    try:
-        return public_key(authority).verify(_cert_message(run_id, cert.public_key, cert.expires), cert.signature)
-    except Exception:
-        return False
+    return certificate_problem(cert, authority, run_id, peer_key, now) is None
 
 
 # ---------------------------------------------------------------------- record validators

@@ -29,11 +29,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from agora.config import Manifest
 from agora.security.identity import (
     Certificate,
+    certificate_problem,
     ensure_identity,
     make_record_validators,
     peer_id_of,
-    public_key_bytes,
-    verify_certificate,
 )
 
 logger = logging.getLogger("agora.credentials")
@@ -122,11 +121,8 @@ def load_credentials(manifest: Manifest, identity: Optional[str], certificate: O
         if security.authority is None:
             raise CredentialError(f"--certificate given, but the manifest of run {manifest.run_id!r} names no "
                                   f"authority (security.authority): nothing could check it")
-        if not verify_certificate(cert, security.authority, manifest.run_id, key):
-            reason = ("it was issued for another key" if cert.public_key != public_key_bytes(key)
-                      else f"it is for run {cert.run_id!r}" if cert.run_id != manifest.run_id
-                      else "it expired" if cert.expires and time.time() > cert.expires
-                      else "its signature is not the authority's")
+        reason = certificate_problem(cert, security.authority, manifest.run_id, key)
+        if reason is not None:
             raise CredentialError(f"certificate {certificate} is not valid for run {manifest.run_id!r} with identity "
                                   f"{identity}: {reason}")
     elif security.allow_list and writes:
