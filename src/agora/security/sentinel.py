@@ -556,21 +556,20 @@ class SentinelMonitor:
             stream.pending.clear()
         stream.last_accept = stream.n
 
-    def _score(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str],
-               update: bool = True, centre: Optional[np.ndarray] = None) -> Verdict:
-        """Score one message; ``centre`` replaces the reference centre (warm-up: the local rolling median)."""
+    def _score(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str]) -> Verdict:
+        """Score one message against the stream's reference, strike or accept it, and update the stream."""
         cfg = self.cfg
-        if update and stream.n - stream.last_accept > cfg.reanchor_after and len(stream.recent) >= 3:
+        if stream.n - stream.last_accept > cfg.reanchor_after and len(stream.recent) >= 3:
             self._reanchor(stream, stalled=True)
         phi = self._features(stream, raw)
         known = np.isfinite(phi) & stream.active
-        z = self._z(stream, raw, phi, known, centre)
-        if update and self._settle(stream, sender, z):
+        z = self._z(stream, raw, phi, known)
+        if self._settle(stream, sender, z):
             # Another sender's flag turned out to be shared by this message: the model moved, the reference is
             # stale. It was re-anchored on the latest messages; judge this one against the new reference.
             phi = self._features(stream, raw)
             known = np.isfinite(phi) & stream.active
-            z = self._z(stream, raw, phi, known, None)
+            z = self._z(stream, raw, phi, known)
         score = float(np.max(np.abs(z)))
         names = self.feature_names
         replay = list(reasons)
@@ -586,8 +585,7 @@ class SentinelMonitor:
                    if common is None or abs(z[i] - common[i]) > cfg.kappa]
         flag_reasons = [f"{names[i]} z={z[i]:+.1f}" for i in flagged]
         reasons = []
-        if update:
-            stream.recent.append(raw)
+        stream.recent.append(raw)
 
         # Peer-relative evidence works on z, not on raw features: z is measured against the drifting reference, so
         # a shift every sender shares (the model training) cancels in the comparison with the peers, while a
@@ -638,18 +636,16 @@ class SentinelMonitor:
             # the whole stream (the first sender to show a common drift has no peer evidence yet) is decided by
             # the other senders' next messages.
             st.flags += 1
-            if update:
-                others = {p for p, s in stream.senders.items()
-                          if s is not st and not s.banned and p not in self._banned
-                          and stream.n - s.last_at <= cfg.peer_active_window}
-                if others:
-                    idx = np.array(flagged)
-                    stream.pending.append(_Pending(sender, stream.n, idx, np.sign(z[idx]), flag_reasons,
-                                                   min(len(others), cfg.peer_min_senders - 1)))
-                else:  # nobody to compare with: the flag stands on its own
-                    return self._strike(stream, sender, st, flag_reasons, score, statistical=True, counted=True)
+            others = {p for p, s in stream.senders.items()
+                      if s is not st and not s.banned and p not in self._banned
+                      and stream.n - s.last_at <= cfg.peer_active_window}
+            if not others:  # nobody to compare with: the flag stands on its own
+                return self._strike(stream, sender, st, flag_reasons, score, statistical=True, counted=True)
+            idx = np.array(flagged)
+            stream.pending.append(_Pending(sender, stream.n, idx, np.sign(z[idx]), flag_reasons,
+                                           min(len(others), cfg.peer_min_senders - 1)))
             return Verdict(True, st.banned or sender in self._banned, score, flag_reasons)
-        if update and self._trusted(st):
+        if self._trusted(st):
             # Accepted from a sender in good standing: only now may the message enter the reference window (a
             # sender accumulating evidence could otherwise drag the reference towards itself and hide).
             stream.window.append(raw)
@@ -658,12 +654,10 @@ class SentinelMonitor:
             self._set_reference(stream, list(stream.window))
         return Verdict(False, st.banned or sender in self._banned, score, [])
 
-    def _z(self, stream: _Stream, raw: _Raw, phi: np.ndarray, known: np.ndarray,
-           centre: Optional[np.ndarray]) -> np.ndarray:
-        if centre is None:
-            # The window's centre, moved along the fitted drift to this message's time (not beyond the window's
-            # own time span: a receiver idle for long should not extrapolate a trend into the void).
-            centre = stream.mu + stream.slope * float(np.clip(raw.t - stream.t_ref, -stream.t_span, stream.t_span))
+    def _z(self, stream: _Stream, raw: _Raw, phi: np.ndarray, known: np.ndarray) -> np.ndarray:
+        # The window's centre, moved along the fitted drift to this message's time (not beyond the window's own
+        # time span: a receiver idle for long should not extrapolate a trend into the void).
+        centre = stream.mu + stream.slope * float(np.clip(raw.t - stream.t_ref, -stream.t_span, stream.t_span))
         return np.where(known, (np.nan_to_num(phi) - centre) / stream.sd, 0.0)
 
     def _settle(self, stream: _Stream, sender: str, z: np.ndarray) -> bool:
