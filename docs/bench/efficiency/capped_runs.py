@@ -1,23 +1,20 @@
-"""Capped-link runs alone (subspace vs dense boundaries), as quoted in the README: ``python capped_runs.py MBPS OUT``.
+"""Capped-link runs alone (subspace vs dense boundaries), as quoted in the README:
+``python capped_runs.py MBPS OUT [auto|netns|transport]``.
 
 The link backend is chosen like ``agora demo --link-mbps`` (network namespaces + tc tbf when root, else the
-in-transport throttle) and recorded with its reason, because the two backends cap different traffic.
+in-transport throttle) unless given, and recorded with its reason, because the two backends cap different traffic.
+The runs are ``agora.bench.efficiency.capped_runs`` (``small``, 3 stages x 2 replicas, 4 steps, 4 in flight).
 """
-import json, sys
+import json
+import sys
 from pathlib import Path
-from agora.swarm.demo import plan_links, run_demo
-mbps = float(sys.argv[1]); out = Path(sys.argv[2])
-backend = sys.argv[3] if len(sys.argv) > 3 else "auto"
-plan = plan_links(mbps, 0.0, backend)
-res = {"link_backend": plan.backend, "link_backend_reason": plan.reason}
-for residual in ("subspace", "dense"):
-    # No validation pass: only throughput is compared, and at a few Mbit/s a dense trainer's last validation
-    # microbatches outlast the demo's 90 s stop window (it is then killed and its token count lost).
-    s = run_demo(preset="small", stages=3, replicas=2, steps=4, out=out / f"{residual}-{mbps:g}mbit", in_flight=4,
-                 val_batches=0, live=False, timeout=1200, residual=residual, link_mbps=mbps,
-                 link_backend=plan.backend)
-    res[residual] = {"tokens_per_s": s["tokens_per_s"], "tokens": s["tokens"], "wall_s": s["wall_s"], "finished": s["finished"],
-                     "bytes_per_boundary": s["bytes_per_boundary"], "link_backend": s["link"]["backend"],
-                     "rounds_ok": s["rounds_ok"], "rounds_failed": s["rounds_failed"]}
-    print(residual, res[residual], flush=True)
+
+from agora.bench.efficiency import capped_runs
+from agora.swarm.demo import plan_links
+
+mbps, out = float(sys.argv[1]), Path(sys.argv[2])
+plan = plan_links(mbps, 0.0, sys.argv[3] if len(sys.argv) > 3 else "auto")
+res = {"link_backend": plan.backend, "link_backend_reason": plan.reason,
+       **capped_runs(out, mbps, plan.backend, steps=4, in_flight=4)}
+print(json.dumps(res, indent=1), flush=True)
 (out / "capped.json").write_text(json.dumps({"link_mbps": mbps, **res}, indent=1))

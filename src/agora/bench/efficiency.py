@@ -27,6 +27,28 @@ from agora.swarm.demo import demo_manifest, plan_links, run_demo
 from agora.train_local import train_local
 
 
+def capped_runs(out: Path, link_mbps: float, backend: str, *, preset: str = "small", stages: int = 3,
+                replicas: int = 2, steps: int = 4, in_flight: int = 4, averaging: Optional[str] = None,
+                log: Callable[[str], None] = print) -> dict:
+    """The swarm with every peer's link capped at ``link_mbps``, once with subspace and once with dense boundaries.
+
+    No validation pass: only throughput is compared, and at a few Mbit/s a dense trainer's last validation
+    microbatches outlast the demo's stop window (it is then killed and its token count lost).
+    """
+    capped = {}
+    for residual in ("subspace", "dense"):
+        log(f"[efficiency] swarm, {residual} boundaries, links capped at {link_mbps:g} Mbit/s ({backend})")
+        s = run_demo(preset=preset, stages=stages, replicas=replicas, steps=steps,
+                     out=Path(out) / f"swarm-{residual}-{link_mbps:g}mbit", in_flight=in_flight, live=False,
+                     timeout=3600, residual=residual, link_mbps=link_mbps, link_backend=backend,
+                     averaging=averaging, val_batches=0)
+        capped[residual] = {"tokens_per_s": s["tokens_per_s"], "tokens": s["tokens"], "wall_s": s["wall_s"],
+                            "finished": s["finished"], "bytes_per_boundary": s["bytes_per_boundary"],
+                            "link_backend": s["link"]["backend"], "rounds_ok": s["rounds_ok"],
+                            "rounds_failed": s["rounds_failed"]}
+    return capped
+
+
 def run(
     out: Path,
     preset: str = "small",
@@ -75,20 +97,10 @@ def run(
                                               "rounds_ok", "rounds_failed", "averaging_bytes_sent")},
               "ratio_tokens_per_cpu_s": ratio, "ratio_tokens_per_s": wall_ratio}
     if link_mbps is not None:
-        capped = {}
-        for residual in ("subspace", "dense"):
-            log(f"[efficiency] swarm, {residual} boundaries, links capped at {link_mbps:g} Mbit/s ({plan.backend})")
-            run_ = run_demo(preset=preset, stages=stages, replicas=replicas, steps=capped_steps or steps,
-                            out=out / f"swarm-{residual}-{link_mbps:g}mbit", in_flight=in_flight, live=False,
-                            timeout=3600, residual=residual, link_mbps=link_mbps, link_backend=plan.backend,
-                            averaging=averaging,
-                            val_batches=0)  # throughput only; a slow dense validation would outlast the stop window
-            capped[residual] = {"tokens_per_s": run_["tokens_per_s"], "tokens": run_["tokens"],
-                                "wall_s": run_["wall_s"], "finished": run_["finished"],
-                                "bytes_per_boundary": run_["bytes_per_boundary"],
-                                "vs_uncapped_swarm": run_["tokens_per_s"] / swarm["tokens_per_s"],
-                                "link_backend": run_["link"]["backend"],
-                                "rounds_ok": run_["rounds_ok"], "rounds_failed": run_["rounds_failed"]}
+        capped = capped_runs(out, link_mbps, plan.backend, preset=preset, stages=stages, replicas=replicas,
+                             steps=capped_steps or steps, in_flight=in_flight, averaging=averaging, log=log)
+        for v in capped.values():
+            v["vs_uncapped_swarm"] = v["tokens_per_s"] / swarm["tokens_per_s"]
         result["capped"] = {"link_mbps": link_mbps, "link_backend": plan.backend, "link_backend_reason": plan.reason,
                             **capped}
         md += "\n" + markdown_table(
