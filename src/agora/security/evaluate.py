@@ -212,14 +212,27 @@ class _StreamTally:
     """What one evaluated stream counts, message by message: corrupt messages sent, flags on corrupt (tp/fn) and
     clean (fp/tn) ones, the attacker's detection delay, honest flag rate, the first reasons given."""
 
-    def __init__(self, monitor: SentinelMonitor, kind: Optional[str], direction: str,
-                 clean_reasons: bool = False):
+    def __init__(self, monitor: SentinelMonitor, kind: Optional[str], direction: str, strength: float = 0.0,
+                 seed: int = 0, clean_reasons: bool = False):
         self.monitor, self.kind, self.direction, self.clean_reasons = monitor, kind, direction, clean_reasons
+        self.strength = strength
+        self.gen = torch.Generator().manual_seed(seed)
+        self.state = AttackState()
         self.tp = self.fp = self.fn = self.tn = 0
         self.honest_flags = self.honest_msgs = 0
         self.delay: Optional[int] = None
         self.corrupted = 0
         self.first_reasons: list = []
+
+    def outgoing(self, who: str, msg: Tensor, attacking: bool) -> tuple[Tensor, bool]:
+        """(what ``who`` sends, whether it is corrupted): the attacker corrupts ``msg`` once ``attacking``; before,
+        it remembers it (replay and stale attacks draw on what it sent while behaving)."""
+        if who != "attacker" or self.kind is None:
+            return msg, False
+        if attacking:
+            return apply_attack(self.kind, self.strength, msg, self.gen, self.state), True
+        self.state.remember(msg)
+        return msg, False
 
     def send(self, who: str, msg: Tensor, bad: bool, step: int, tokens: Tensor, coords: Tensor) -> None:
         """``who`` sends ``msg`` (``bad``: corrupted by the attack) and the monitor judges it."""
@@ -257,15 +270,13 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
     """One interleaved stream through a fresh monitor. ``kind=None``: a clean stream of ``n_honest + 1`` honest
     senders (the third plays the attacker's seat but behaves)."""
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
     monitor = SentinelMonitor(config or SentinelConfig())
     senders = [f"honest-{i}" for i in range(n_honest)] + ["attacker"]
     S = pool.fwd.shape[0]
     order = list(range(S))
     rng.shuffle(order)
     shares = {s: order[i::len(senders)] for i, s in enumerate(senders)}
-    state = AttackState()
-    tally = _StreamTally(monitor, kind, direction)
+    tally = _StreamTally(monitor, kind, direction, strength, seed)
     for r in range(rounds):
         rng.shuffle(senders)
         for who in senders:
@@ -273,13 +284,7 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
                 continue  # a banned peer is routed no more work
             idx = torch.tensor(rng.sample(shares[who], pool.microbatch))
             coords, grad, tokens = pool.fwd[idx], pool.bwd[idx], pool.tokens[idx]
-            msg = coords if direction == "fwd" else grad
-            bad = False
-            if who == "attacker" and kind is not None:
-                if r >= attack_start:
-                    msg, bad = apply_attack(kind, strength, msg, gen, state), True
-                else:
-                    state.remember(msg)  # replay / stale attacks draw on what it sent while behaving
+            msg, bad = tally.outgoing(who, coords if direction == "fwd" else grad, r >= attack_start)
             tally.send(who, msg, bad, r, tokens, coords)
     return tally.result(strength, senders)
 
@@ -296,12 +301,10 @@ def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = No
     if senders > trace.fwd.shape[1]:
         raise ValueError(f"the trace has {trace.fwd.shape[1]} senders, {senders} requested")
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
     monitor = SentinelMonitor(config or SentinelConfig())
     names = [f"honest-{i}" for i in range(senders - 1)] + ["attacker"]
     start = trace.steps // 3 if attack_start is None else attack_start
-    state = AttackState()
-    tally = _StreamTally(monitor, kind, direction, clean_reasons=True)
+    tally = _StreamTally(monitor, kind, direction, strength, seed, clean_reasons=True)
     turn: list[int] = []
     for step in range(trace.steps):
         for _ in range(messages_per_step):
@@ -313,13 +316,7 @@ def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = No
             if who == "attacker" and monitor.banned(who):
                 continue
             coords, grad, tokens = trace.fwd[step, slot], trace.bwd[step, slot], trace.tokens[step, slot]
-            msg = coords if direction == "fwd" else grad
-            bad = False
-            if who == "attacker" and kind is not None:
-                if step >= start:
-                    msg, bad = apply_attack(kind, strength, msg, gen, state), True
-                else:
-                    state.remember(msg)
+            msg, bad = tally.outgoing(who, coords if direction == "fwd" else grad, step >= start)
             tally.send(who, msg, bad, step, tokens, coords)
     return tally.result(strength, names)
 
@@ -328,6 +325,17 @@ def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = No
 # microbatches over all receivers); three per step ends the warm-up inside the fastest early drift; two senders is
 # a receiver with one peer to compare with.
 DRIFT_CLEAN = ((2, 1), (3, 1), (3, 3))
+
+
+def _attack_row(res: StreamResult, setting: str) -> dict:
+    return dict(asdict(res), setting=setting, precision=res.precision, recall=res.recall, f1=res.f1)
+
+
+def _clean_row(res: StreamResult, setting: str, senders: int, messages_per_step: Optional[int]) -> dict:
+    messages = res.tn + res.fp
+    return {"setting": setting, "senders": senders, "messages_per_step": messages_per_step,
+            "direction": res.direction, "messages": messages, "flags": res.fp,
+            "false_positive_rate": res.fp / max(messages, 1), "bans": res.honest_banned}
 
 
 def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, Sequence[float]]] = None,
@@ -348,15 +356,12 @@ def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, 
     for kind, values in strengths.items():
         for strength in values:
             for direction in ("fwd", "bwd"):
-                res = run_stream(pool, direction, kind, strength, config, rounds, attack_start, seed)
-                rows.append(dict(asdict(res), setting="static", precision=res.precision, recall=res.recall,
-                                 f1=res.f1))
+                rows.append(_attack_row(run_stream(pool, direction, kind, strength, config, rounds,
+                                                   attack_start, seed), "static"))
     clean = []
     for direction in ("fwd", "bwd"):
         res = run_stream(pool, direction, None, 0.0, config, clean_rounds, clean_rounds, seed + 1)
-        clean.append({"setting": "static", "senders": 3, "messages_per_step": None, "direction": direction,
-                      "messages": res.tn + res.fp, "flags": res.fp,
-                      "false_positive_rate": res.fp / max(res.tn + res.fp, 1), "bans": res.honest_banned})
+        clean.append(_clean_row(res, "static", 3, None))
     drift: dict = {}
     if drift_steps or trace is not None:
         t1 = time.perf_counter()
@@ -366,17 +371,13 @@ def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, 
         for kind, values in strengths.items():
             for strength in values:
                 for direction in ("fwd", "bwd"):
-                    res = run_drift_stream(trace, direction, kind, strength, config, seed=seed)
-                    rows.append(dict(asdict(res), setting="drift", precision=res.precision, recall=res.recall,
-                                     f1=res.f1))
+                    rows.append(_attack_row(run_drift_stream(trace, direction, kind, strength, config,
+                                                             seed=seed), "drift"))
         for senders, per_step in DRIFT_CLEAN:
             for direction in ("fwd", "bwd"):
                 res = run_drift_stream(trace, direction, None, 0.0, config, seed=seed + 1, senders=senders,
                                        messages_per_step=per_step)
-                clean.append({"setting": "drift", "senders": senders, "messages_per_step": per_step,
-                              "direction": direction, "messages": res.tn + res.fp, "flags": res.fp,
-                              "false_positive_rate": res.fp / max(res.tn + res.fp, 1),
-                              "bans": res.honest_banned})
+                clean.append(_clean_row(res, "drift", senders, per_step))
     # Sender level, over every stream: an attacker banned is a true positive, an honest sender banned a false one.
     senders_by = {}
     for setting in sorted({r["setting"] for r in rows}) + ["all"]:
