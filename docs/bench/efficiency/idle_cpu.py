@@ -12,21 +12,9 @@ import sys
 import tempfile
 import time
 
-import psutil
+from agora.swarm.run import process_cpu_seconds as cpu_seconds
 
 WINDOW_S = 20.0
-
-
-def cpu_seconds(pid: int) -> float:
-    total = 0.0
-    proc = psutil.Process(pid)
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def main() -> None:

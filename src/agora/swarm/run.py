@@ -34,10 +34,11 @@ from agora.swarm.records import read_swarm
 logger = logging.getLogger("agora")
 
 
-def process_cpu_seconds() -> float:
-    """CPU seconds of this process and all its live descendants (hivemind's DHT/averager processes, p2pd)."""
+def process_cpu_seconds(pid: Optional[int] = None) -> float:
+    """CPU seconds of a process (default: this one) and all its live descendants (hivemind's DHT/averager
+    processes, p2pd)."""
     total = 0.0
-    me = psutil.Process()
+    me = psutil.Process(pid)
     for proc in [me, *me.children(recursive=True)]:
         try:
             t = proc.cpu_times()
