@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+import yaml
 
+from agora.config import load_manifest
 from agora.security.sentinel import SentinelConfig
 from agora.swarm.demo import Swarm, read_json
 from swarm_util import processes_mentioning
@@ -39,16 +41,29 @@ MICROBATCH_TOKENS = 8 * 64  # tiny: microbatch_size x seq_len
 BAN_BOUND = SentinelConfig().warmup + 20
 
 
+def _manifest(tmp: Path) -> Path:
+    """``tiny`` with a step every 6 microbatches instead of 2. A real run's step is hundreds of microbatches; two
+    per step on 6 replicas sharing 2 cores made most averaging rounds fail (replicas then diverge and resync all
+    the time) and left about one message per parameter version at each receiver."""
+    data = load_manifest("tiny").model_dump(mode="json")
+    data["batch"]["target_batch_size"] = 48
+    path = tmp / "tiny-48.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def _run(tmp: Path, layout: list[tuple[int, Optional[str]]], microbatches: int, timeout: float = 300.0):
     """Start a swarm (``layout``: (stage, attack spec or None) per node), train ``microbatches``, stop it.
     Returns {peer_id: (stage, attack, final node summary)} and the trainer's summary."""
-    swarm = Swarm(Path("tiny"), tmp, threads=1, extra_node_args=["--sentinel", "--rebalance-every", "0"])
+    swarm = Swarm(_manifest(tmp), tmp, threads=1, extra_node_args=["--sentinel", "--rebalance-every", "0"])
     base = list(swarm.extra_node_args)
     roles = {}
     try:
         swarm.start_bootstrap()
-        for stage, attack in layout:
-            swarm.extra_node_args = base + (["--attack", attack] if attack else [])
+        for i, (stage, attack) in enumerate(layout):
+            # Every verdict, one JSON line each: the evidence to read when this test fails.
+            swarm.extra_node_args = base + ["--sentinel-log", str(tmp / f"sentinel-{i}.jsonl")] + (
+                ["--attack", attack] if attack else [])
             roles[swarm.start_node(stage).name] = (stage, attack)
         swarm.extra_node_args = base
         deadline = time.time() + 90

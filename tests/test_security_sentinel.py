@@ -146,3 +146,83 @@ def test_evaluate_report_smoke(pool):
     assert {r["direction"] for r in report["attacks"]} == {"fwd", "bwd"}
     assert all(r["attacker_banned"] for r in report["attacks"])
     assert "scale" in format_report(report)
+
+
+def _warm_monitor(pool, senders=("a", "b", "c"), version=(7, 1.5), rounds=30):
+    """A monitor past its warm-up on honest forward traffic of ``senders`` (all claiming ``version``), and a
+    function giving honest microbatch ``i`` (message, tokens) from the pool's sequences."""
+    mon = SentinelMonitor()
+    B = pool.microbatch
+
+    def microbatch(i: int):  # a seeded draw of sequences: a distinct microbatch per i
+        idx = torch.randperm(pool.fwd.shape[0], generator=torch.Generator().manual_seed(1000 + i))[:B]
+        return pool.fwd[idx], pool.tokens[idx]
+
+    i = 0
+    for _ in range(rounds):
+        for who in senders:
+            msg, tok = microbatch(i)
+            i += 1
+            assert not mon.observe(who, 0, "fwd", msg, step=version[0], tokens=tok, version=version).flagged
+    return mon, microbatch, i
+
+
+def test_a_flag_reproduced_exactly_by_another_replica_is_withdrawn(pool):
+    """Replicas with the same weights compute bit-identical messages: when a receiver retries a flagged
+    microbatch on another replica and gets the exact same content back, the flag was the reference's fault
+    (here: the whole stage's output really changed scale), so neither sender is struck and the message is used."""
+    mon, microbatch, i = _warm_monitor(pool)
+    msg, tok = microbatch(i)
+    shifted = 3.0 * msg  # what every replica now computes
+    first = mon.observe("a", 0, "fwd", shifted, step=8, tokens=tok, version=[8, 2.5])
+    assert first.flagged and "log_rms" in first.reasons[0]
+    again = mon.observe("b", 0, "fwd", shifted.clone(), step=8, tokens=tok, version=[8, 2.5])
+    assert not again.flagged and "reproduced" in again.reasons[0]
+    # The reference was re-anchored on the new output: the stage's next messages pass, nobody is struck.
+    flags = 0
+    for j in range(1, 31):
+        msg, tok = microbatch(i + j)
+        flags += mon.observe("abc"[j % 3], 0, "fwd", 3.0 * msg, step=8, tokens=tok, version=[8, 2.5]).flagged
+    assert flags <= 3, flags
+    struck = [r for st in mon.summary()["0/fwd"]["senders"].values() for r in st["struck"]]
+    assert not any("log_rms" in r for r in struck), struck  # (an honest outlier may cost a strike, not the shift)
+    assert not mon.banned_peers()
+
+
+def test_a_flagged_message_the_same_weights_did_not_compute_is_struck(pool):
+    """The other way round: the retry on a replica claiming the same weights returns a different, accepted
+    message for the same input. The first sender's flag is confirmed at once, and three such bans it."""
+    mon, microbatch, i = _warm_monitor(pool)
+    for j in range(3):
+        msg, tok = microbatch(i + j)
+        assert mon.observe("a", 0, "fwd", 3.0 * msg, step=7, tokens=tok, version=[7, 1.5]).flagged
+        assert mon.strikes("a") == j  # pending: not struck until compared
+        assert not mon.observe("b", 0, "fwd", msg, step=7, tokens=tok, version=(7, 1.5)).flagged
+        assert mon.strikes("a") == j + 1
+    assert mon.banned("a") and not mon.banned("b") and not mon.banned("c")
+
+
+def test_flags_of_a_replica_alone_on_its_weights_weigh_a_third(pool):
+    """A replica whose parameters differ from its peers' at the same step (it missed an averaging round) is
+    compared with nobody: its flags expire as a third of a strike each, so a short divergence bans nobody,
+    while a sender that keeps claiming weights nobody else has is still banned after 9 flags."""
+    mon, microbatch, i = _warm_monitor(pool)
+    n = 0
+
+    def honest_round():
+        nonlocal i
+        for who in ("b", "c"):
+            msg, tok = microbatch(i)
+            i += 1
+            mon.observe(who, 0, "fwd", msg, step=7, tokens=tok, version=(7, 1.5))
+
+    for n in range(1, 10):
+        msg, tok = microbatch(i)
+        i += 1
+        assert mon.observe("a", 0, "fwd", 3.0 * msg, step=7, tokens=tok, version=(7, 9.9)).flagged
+        for _ in range(7):  # past the flag's wait (``common_recent`` stream messages)
+            honest_round()
+        if n < 9:
+            assert not mon.banned("a"), n
+            assert mon.strikes("a") == pytest.approx(n / 3)
+    assert mon.banned("a") and not mon.banned("b") and not mon.banned("c")

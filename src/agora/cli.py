@@ -284,6 +284,7 @@ def node(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads for this node"),
     attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): KIND[:strength]"),
     sentinel: bool = typer.Option(False, help="screen received messages with SENTINEL and ban corrupted senders"),
+    sentinel_log: Optional[str] = typer.Option(None, help="append one JSON line per message SENTINEL judged here"),
     certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
 ) -> None:
@@ -296,7 +297,8 @@ def node(
     _enable_stack_dumps()
     m = _manifest(manifest)
     opts = NodeOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
-                       rebalance_every_s=rebalance_every, sentinel=sentinel)
+                       rebalance_every_s=rebalance_every, sentinel=sentinel or sentinel_log is not None,
+                       sentinel_log=sentinel_log)
     raise typer.Exit(_join_errors(lambda: run_node(
         m, stage, initial_peers, host, port, announce_host, identity, opts, summary=summary, resume=resume,
         metrics_port=metrics_port, attack=attack, certificate=certificate)))

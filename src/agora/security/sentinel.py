@@ -132,6 +132,10 @@ class SentinelConfig:
     peer_min_messages: int = 8  # a sender's EMA is compared only after this many of its messages
     peer_active_window: int = 200  # senders silent for this many stream messages leave the peer median
     strikes_to_ban: int = 3
+    # A flag that no message of the same version from another sender could settle (the sender was alone on its
+    # version: an honest replica that has not repaired a missed round yet, or a sender lying about its version)
+    # weighs this much of a strike.
+    unconfirmed_weight: float = 1 / 3
     strike_window: int = 50  # in messages of that sender
     n_projections: int = 4
     sigma_floor: float = 1e-3  # features are scale-free; a constant honest feature still gets a finite sigma
@@ -163,6 +167,8 @@ class _Raw:
     pair_align: float
     t: float = 0.0  # when it was received: the receiver's optimizer step, else the stream's message index
     sender: str = ""
+    version: Optional[tuple] = None  # the sender's claimed parameter version (step, fingerprint), if it sent one
+    tok: Optional[bytes] = None  # digest of the microbatch's token ids, if given
 
 
 @dataclass
@@ -170,14 +176,17 @@ class _Sender:
     n: int = 0
     last_seen: int = 0
     banned: bool = False
-    strikes: deque = field(default_factory=deque)  # (sender message index, stream index, statistical?) per strike
+    # (sender message index, stream index, statistical?, weight, token digest of the message struck)
+    strikes: deque = field(default_factory=deque)
     flags: int = 0
     cusum_pos: Optional[np.ndarray] = None
     cusum_neg: Optional[np.ndarray] = None
     ema: Optional[np.ndarray] = None  # EMA of the sender's clipped z (peer-relative test)
     last_z: Optional[np.ndarray] = None  # z of its latest message (common-mode check)
     last_at: int = 0  # stream index of that message
+    last_version: Optional[tuple] = None  # version of that message
     ema_n: int = 0
+    struck: deque = field(default_factory=lambda: deque(maxlen=8))  # reasons of its latest strikes (the evidence)
 
 
 @dataclass
@@ -201,7 +210,8 @@ class _Stream:
     z2: Optional[np.ndarray] = None  # running mean of clipped z^2 over all senders: the z's real variance
     senders: dict = field(default_factory=dict)
     digests: deque = field(default_factory=deque)  # (simhash, sender, token_digest, base features)
-    judged: dict = field(default_factory=dict)  # (token_digest, simhash) -> (flagged, reasons): retries
+    judged: dict = field(default_factory=dict)  # (token_digest, simhash) -> _Judged: retries and reproductions
+    by_tok: dict = field(default_factory=dict)  # token_digest -> [(sender, simhash, base, version, flagged)]
 
 
 @dataclass
@@ -212,13 +222,47 @@ class _Pending:
     at: int  # stream index of the flagged message
     feats: np.ndarray  # indices of the flagged features
     sign: np.ndarray  # their signs
+    size: np.ndarray  # their |z|
     reasons: list
     need: int  # other senders that must send un-shifted messages to confirm it
+    version: Optional[tuple] = None  # the flagged message's claimed version: only same-version messages settle it
+    tok: Optional[bytes] = None  # its microbatch (a reproduction of the message by another replica dismisses it)
     others: set = field(default_factory=set)
+
+
+@dataclass
+class _Judged:
+    """The verdict a message's content got, and who sent that exact content for that microbatch."""
+
+    flagged: bool
+    reasons: list
+    senders: set
+    base: np.ndarray  # its scalar fingerprint: a retry matches it as well as the SimHash
 
 
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+def _version_key(version: object) -> Optional[tuple]:
+    """``(step, fingerprint)`` as a hashable key; None for anything else (a sender may send garbage here)."""
+    if not isinstance(version, (list, tuple)) or len(version) != 2:
+        return None
+    step, fp = version
+    if isinstance(step, bool) or not isinstance(step, int):
+        return None
+    if fp is not None and (isinstance(fp, bool) or not isinstance(fp, (int, float)) or not math.isfinite(fp)):
+        return None
+    return (step, None if fp is None else float(fp))
+
+
+def _comparable(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    """Whether messages of versions ``a`` and ``b`` may be compared: not when both are known, of the same step, and
+    with different fingerprints (replicas that diverged at that step; their messages differ for a reason that is
+    no fault of either). Different steps are compared: the reference's drift fit accounts for those."""
+    if a is None or b is None or a[0] != b[0] or a[1] is None or b[1] is None:
+        return True
+    return a[1] == b[1]
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -285,17 +329,24 @@ class SentinelMonitor:
         step: Optional[int] = None,
         tokens: Optional[Tensor] = None,
         paired: Optional[Tensor] = None,
+        version: object = None,
     ) -> Verdict:
         """Judge one message from ``sender`` crossing ``boundary`` (between stage b and b+1) in ``direction``.
 
         ``tokens``: the microbatch's token ids (tells a replay from a retry). ``paired``: for ``bwd``, the forward
-        coordinates this receiver sent for the same microbatch (enables ``pair_align``). ``step`` is accepted for
-        logging symmetry and future per-step comparisons; the statistics themselves are step-free EMAs.
+        coordinates this receiver sent for the same microbatch (enables ``pair_align``). ``step``: the receiver's
+        optimizer step (the time axis of the drift fit). ``version``: the sender's claimed parameter version,
+        ``(step, fingerprint)`` (``StageNode.sent_version``): two messages of the same step but different
+        fingerprints come from replicas holding different weights (one missed an averaging round and has not
+        repaired yet), so neither is evidence about the other (see ``_comparable``). Unverified: a sender that lies
+        about it only changes whom its flags are compared with, and flags nobody could compare still ban
+        (``unconfirmed_to_ban``).
         """
         if direction not in ("fwd", "bwd"):
             raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
         with self._lock:
-            return self._observe(str(sender), int(boundary), direction, tensor, tokens, paired, step)
+            return self._observe(str(sender), int(boundary), direction, tensor, tokens, paired, step,
+                                 _version_key(version))
 
     def banned(self, sender: str) -> bool:
         return str(sender) in self._banned
@@ -310,8 +361,9 @@ class SentinelMonitor:
             for stream in self._streams.values():
                 stream.senders.pop(sender, None)
 
-    def strikes(self, sender: str) -> int:
-        return sum(len(s.senders[sender].strikes) for s in self._streams.values() if sender in s.senders)
+    def strikes(self, sender: str) -> float:
+        """The sender's current strike weight, summed over streams."""
+        return sum(x[3] for s in self._streams.values() if sender in s.senders for x in s.senders[sender].strikes)
 
     def summary(self) -> dict:
         """Counts for metrics / the dashboard: per stream, messages seen and per-sender flags / ban state."""
@@ -322,13 +374,15 @@ class SentinelMonitor:
             out[f"{b}/{d}"] = {
                 "messages": s.n,
                 "ready": s.ready,
-                "senders": {p: {"n": st.n, "flags": st.flags, "banned": st.banned}
+                "senders": {p: {"n": st.n, "flags": st.flags, "banned": st.banned,
+                                "strikes": round(sum(x[3] for x in list(st.strikes)), 2),
+                                "struck": list(st.struck)}
                             for p, st in list(s.senders.items())},
             }
         return out
 
     # ------------------------------------------------------------------ internals
-    def _observe(self, sender, boundary, direction, tensor, tokens, paired, step=None) -> Verdict:
+    def _observe(self, sender, boundary, direction, tensor, tokens, paired, step=None, version=None) -> Verdict:
         if sender in self._banned:
             return Verdict(True, True, 0.0, ["banned"])  # never scored again: it cannot move any statistic
         stream = self._streams.get((boundary, direction))
@@ -343,26 +397,79 @@ class SentinelMonitor:
             return self._strike(stream, sender, st, ["non_finite"], math.inf, hard=self.cfg.nonfinite_bans)
 
         digest = self._simhash(tensor)
+        raw = fingerprint(tensor, paired)
         tok = None
         if tokens is not None:
             tok = hashlib.blake2b(tokens.detach().cpu().to(torch.int64).numpy().tobytes(), digest_size=16).digest()
-            if (tok, digest) in stream.judged:
+            seen = stream.judged.get((tok, digest))
+            if seen is not None and not np.allclose(raw.base, seen.base, rtol=1e-3, atol=1e-3):
+                seen = None  # the same sign pattern, not the same message (e.g. rescaled): judged afresh
+            if seen is not None and seen.flagged and sender not in seen.senders and not st.banned:
+                return self._reproduced(stream, sender, seen, raw, step, version, tok)
+            if seen is not None:
                 # A retry: the same microbatch's identical message, re-sent after a drop or a failure elsewhere
                 # (nodes retry other replicas, trainers re-submit). It gets the verdict its content already got, and
                 # no second strike: live, a flagged message is retried several times, and counting each retry
                 # turned one odd honest message into a ban.
-                flagged, why = stream.judged[(tok, digest)]
-                return Verdict(flagged, st.banned or sender in self._banned, 0.0,
-                               [f"retry of a flagged message: {'; '.join(why[:2])}"] if flagged else [])
-        raw = fingerprint(tensor, paired)
+                seen.senders.add(sender)
+                return Verdict(seen.flagged, st.banned or sender in self._banned, 0.0,
+                               [f"retry of a flagged message: {'; '.join(seen.reasons[:2])}"] if seen.flagged else [])
         raw.t = float(step) if step is not None else float(stream.n)
-        raw.sender = sender
+        raw.sender, raw.version, raw.tok = sender, version, tok
         verdict = self._judge(stream, sender, st, raw, self._replay_check(stream, sender, digest, tok, raw.base))
         if tok is not None:
-            stream.judged[(tok, digest)] = (verdict.flagged, list(verdict.reasons))
+            if not verdict.flagged:
+                self._cross_check(stream, sender, raw, digest)
+            stream.judged[(tok, digest)] = _Judged(verdict.flagged, list(verdict.reasons), {sender}, raw.base)
+            stream.by_tok.setdefault(tok, []).append((sender, digest, raw.base, version, verdict.flagged))
             while len(stream.judged) > self.cfg.replay_memory:
                 stream.judged.pop(next(iter(stream.judged)))
+            while len(stream.by_tok) > self.cfg.replay_memory:
+                stream.by_tok.pop(next(iter(stream.by_tok)))
         return verdict
+
+    def _reproduced(self, stream: _Stream, sender: str, seen: _Judged, raw: _Raw, step, version,
+                    tok: bytes) -> Verdict:
+        """Another replica sent the exact content of a flagged message for the same microbatch (the receiver
+        retried it there). Replicas holding the same weights compute bit-identical results, so the content is the
+        honest computation and the flag was the reference's fault (the model moved faster than it followed): the
+        flag is withdrawn for every sender of that content (pending flags dropped, strikes for it removed), the
+        message is accepted and the reference re-anchored on it. Only two colluding replicas could fake this."""
+        seen.flagged, seen.reasons = False, []
+        seen.senders.add(sender)
+        stream.pending = [p for p in stream.pending if p.tok != tok]
+        for who in seen.senders:
+            other = stream.senders.get(who)
+            if other is not None:
+                other.strikes = deque(x for x in other.strikes if x[4] != tok)
+        stream.by_tok[tok] = [(w, d, b, v, False if w in seen.senders else f)
+                              for w, d, b, v, f in stream.by_tok.get(tok, [])]
+        raw.t = float(step) if step is not None else float(stream.n)
+        raw.sender, raw.version, raw.tok = sender, version, tok
+        stream.recent.append(raw)
+        if stream.ready and raw.mean.shape == stream.vec_mu["mean"].shape:
+            stream.window.append(raw)
+            stream.accepted_at[sender] = stream.n
+            self._reanchor(stream)
+        return Verdict(False, sender in self._banned, 0.0, ["reproduced a flagged message of another replica"])
+
+    def _cross_check(self, stream: _Stream, sender: str, raw: _Raw, digest: int) -> None:
+        """An accepted message for a microbatch another sender's flagged message was about, from a replica that
+        claims the same weights (same step and fingerprint): the other's content was not what those weights
+        compute on that input. Its pending flag becomes a strike now."""
+        if raw.version is None or raw.version[1] is None:
+            return
+        for who, other_digest, base, version, flagged in stream.by_tok.get(raw.tok, []):
+            if who == sender or not flagged or version != raw.version or (
+                    other_digest == digest and np.allclose(base, raw.base, rtol=1e-3, atol=1e-3)):
+                continue
+            for p in [p for p in stream.pending if p.tok == raw.tok and p.sender == who]:
+                stream.pending.remove(p)
+                other = stream.senders.get(who)
+                if other is not None and who not in self._banned:
+                    self._strike(stream, who, other, [*p.reasons, f"differs from {sender[-8:]}'s result on the same "
+                                                                   f"input and weights"], 0.0, statistical=True,
+                                 counted=True, tok=p.tok)
 
     def _judge(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str]) -> Verdict:
         if not stream.ready:
@@ -564,7 +671,7 @@ class SentinelMonitor:
         phi = self._features(stream, raw)
         known = np.isfinite(phi) & stream.active
         z = self._z(stream, raw, phi, known)
-        if self._settle(stream, sender, z):
+        if self._settle(stream, sender, z, raw.version, raw.tok):
             # Another sender's flag turned out to be shared by this message: the model moved, the reference is
             # stale. It was re-anchored on the latest messages; judge this one against the new reference.
             phi = self._features(stream, raw)
@@ -578,9 +685,9 @@ class SentinelMonitor:
         # included). A shift they all share is the model training faster than the reference follows.
         recent = [s.last_z for p, s in stream.senders.items()
                   if s is not st and s.last_z is not None and not s.banned and p not in self._banned
-                  and stream.n - s.last_at <= cfg.common_recent]
+                  and stream.n - s.last_at <= cfg.common_recent and _comparable(s.last_version, raw.version)]
         common = np.median(np.stack([z, *recent]), axis=0) if len(recent) + 1 >= cfg.peer_min_senders else None
-        st.last_z, st.last_at = z, stream.n
+        st.last_z, st.last_at, st.last_version = z, stream.n, raw.version
         flagged = [i for i in np.flatnonzero(np.abs(z) > cfg.kappa)
                    if common is None or abs(z[i] - common[i]) > cfg.kappa]
         flag_reasons = [f"{names[i]} z={z[i]:+.1f}" for i in flagged]
@@ -596,10 +703,13 @@ class SentinelMonitor:
         # below 1: a feature calmer than its estimate keeps the nominal scale).
         # Measured on accepted messages of senders in good standing only, so an attacker cannot widen it.
         z_scale = np.sqrt(np.maximum(stream.z2, 1.0)) if stream.z2 is not None else np.ones_like(z)
-        st.ema = (1 - cfg.peer_beta) * zc + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
-        st.ema_n += 1
-        peer = self._peer_centre(stream, st)
-        dev = None
+        dev, peer = None, None
+        if not self._alone(stream, st, raw.version):
+            # (A sender alone on its weights is not fed to the peer tests: its offset is its weights', not its own
+            # doing. Its per-message flags still count, for a third of a strike each.)
+            st.ema = (1 - cfg.peer_beta) * zc + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
+            st.ema_n += 1
+            peer = self._peer_centre(stream, st)
         if peer is not None:
             b, n = cfg.peer_beta, min(st.ema_n, 10_000)
             # sd of a bias-corrected EMA of n unit-variance z; x sqrt(2): the centre is some other sender's EMA.
@@ -630,7 +740,7 @@ class SentinelMonitor:
         if replay or reasons:
             # Replays and peer-relative evidence (EMA test, CUSUM) are already judged against the peers: strike now.
             return self._strike(stream, sender, st, [*replay, *flag_reasons, *reasons], score,
-                                weight=cfg.cusum_strikes if alarm else 1, statistical=not replay)
+                                weight=cfg.cusum_strikes if alarm else 1, statistical=not replay, tok=raw.tok)
         if flagged:
             # A per-message flag: the message is dropped now, but whether it is this sender's fault or a shift of
             # the whole stream (the first sender to show a common drift has no peer evidence yet) is decided by
@@ -640,10 +750,11 @@ class SentinelMonitor:
                       if s is not st and not s.banned and p not in self._banned
                       and stream.n - s.last_at <= cfg.peer_active_window}
             if not others:  # nobody to compare with: the flag stands on its own
-                return self._strike(stream, sender, st, flag_reasons, score, statistical=True, counted=True)
+                return self._strike(stream, sender, st, flag_reasons, score, statistical=True, counted=True,
+                                    tok=raw.tok)
             idx = np.array(flagged)
-            stream.pending.append(_Pending(sender, stream.n, idx, np.sign(z[idx]), flag_reasons,
-                                           min(len(others), cfg.peer_min_senders - 1)))
+            stream.pending.append(_Pending(sender, stream.n, idx, np.sign(z[idx]), np.abs(z[idx]), flag_reasons,
+                                           min(len(others), cfg.peer_min_senders - 1), raw.version, raw.tok))
             return Verdict(True, st.banned or sender in self._banned, score, flag_reasons)
         if self._trusted(st):
             # Accepted from a sender in good standing: only now may the message enter the reference window (a
@@ -660,11 +771,14 @@ class SentinelMonitor:
         centre = stream.mu + stream.slope * float(np.clip(raw.t - stream.t_ref, -stream.t_span, stream.t_span))
         return np.where(known, (np.nan_to_num(phi) - centre) / stream.sd, 0.0)
 
-    def _settle(self, stream: _Stream, sender: str, z: np.ndarray) -> bool:
+    def _settle(self, stream: _Stream, sender: str, z: np.ndarray, version: Optional[tuple] = None,
+                tok: Optional[bytes] = None) -> bool:
         """Decide the pending flags of other senders with this message's z. A flag this message shares (same
         features beyond kappa/2, same signs) was a shift of the whole stream: dismissed, and the reference is
         re-anchored (returns True). A flag that ``need`` other senders' messages did not share, or that waited
-        ``common_recent`` messages, becomes a strike: its sender stood out from its peers at the same time."""
+        ``common_recent`` messages, becomes a strike: its sender stood out from its peers at the same time.
+        Only messages of a ``_comparable`` version take part; a flag that none could settle before it expired
+        weighs ``unconfirmed_weight`` of a strike."""
         cfg = self.cfg
         shared, keep = False, []
         for p in stream.pending:
@@ -672,8 +786,27 @@ class SentinelMonitor:
                 if p.sender == sender:
                     keep.append(p)
                 continue
-            if np.all(np.abs(z[p.feats]) > cfg.kappa / 2) and np.all(np.sign(z[p.feats]) == p.sign):
+            if tok is not None and p.tok == tok:
+                keep.append(p)  # the same microbatch: ``_cross_check`` / ``_reproduced`` compare the contents
+                continue
+            same = (np.abs(z[p.feats]) > cfg.kappa / 2) & (np.sign(z[p.feats]) == p.sign)
+            if same[int(np.argmax(p.size))] and same.sum() >= math.ceil(len(p.feats) / 2):
+                # A shift this message shares on its strongest feature and on most of the others is common to the
+                # stream, whatever the weights of the two: the model moved. (Live, honest flags come in sets of
+                # features that move together with training, e.g. the distance of the mean vector and of the
+                # channel profile, with one or two others beyond the threshold by chance.)
                 shared = True
+                continue
+            if not _comparable(p.version, version):
+                # Other weights than the flagged message's: not sharing its shift is no evidence against it.
+                if stream.n - p.at <= cfg.common_recent:
+                    keep.append(p)
+                    continue
+                st = stream.senders.get(p.sender)
+                if st is not None:
+                    w = 1.0 if p.others else cfg.unconfirmed_weight
+                    self._strike(stream, p.sender, st, [*p.reasons, *([] if p.others else ["unconfirmed"])], 0.0,
+                                 statistical=True, counted=True, weight=w, tok=p.tok)
                 continue
             p.others.add(sender)
             if len(p.others) < p.need and stream.n - p.at <= cfg.common_recent:
@@ -681,12 +814,21 @@ class SentinelMonitor:
                 continue
             st = stream.senders.get(p.sender)
             if st is not None:
-                self._strike(stream, p.sender, st, p.reasons, 0.0, statistical=True, counted=True)
+                self._strike(stream, p.sender, st, p.reasons, 0.0, statistical=True, counted=True, tok=p.tok)
         stream.pending = keep
         if shared:
             stream.pending = [p for p in stream.pending if p.sender != sender]
             self._reanchor(stream)
         return shared
+
+    def _alone(self, stream: _Stream, st: _Sender, version: Optional[tuple]) -> bool:
+        """Whether the sender claims weights that an active peer contradicts (same step, other fingerprint) and
+        that no active peer shares."""
+        cfg = self.cfg
+        lasts = [s.last_version for p, s in stream.senders.items()
+                 if s is not st and not s.banned and p not in self._banned and s.last_version is not None
+                 and stream.n - s.last_at <= cfg.common_recent]
+        return any(not _comparable(v, version) for v in lasts) and version not in lasts
 
     def _peer_centre(self, stream: _Stream, st: _Sender) -> Optional[np.ndarray]:
         """Median of the active senders' (bias-corrected) z EMAs; None when there are too few senders or
@@ -707,7 +849,8 @@ class SentinelMonitor:
         return st.ema / (1 - self.cfg.peer_beta ** min(st.ema_n, 10_000))
 
     def _strike(self, stream: _Stream, sender: str, st: _Sender, reasons: list[str], score: float,
-                hard: bool = False, weight: int = 1, statistical: bool = False, counted: bool = False) -> Verdict:
+                hard: bool = False, weight: float = 1, statistical: bool = False, counted: bool = False,
+                tok: Optional[bytes] = None) -> Verdict:
         """Record a strike; ban on ``strikes_to_ban`` within ``strike_window`` of the sender's messages.
 
         A statistical strike bans only if some *other* sender's message was accepted since the oldest counted
@@ -718,12 +861,14 @@ class SentinelMonitor:
         cfg = self.cfg
         if not counted:
             st.flags += 1
-        st.strikes.extend([(st.n, stream.n, statistical)] * weight)
+        st.strikes.append((st.n, stream.n, statistical, float(weight), tok))
+        st.struck.append("; ".join(reasons[:3]))
         while st.strikes and st.strikes[0][0] <= st.n - cfg.strike_window:
             st.strikes.popleft()
         alive = not statistical or max(
             (at for who, at in stream.accepted_at.items() if who != sender), default=-1) >= st.strikes[0][1]
-        if hard or (len(st.strikes) >= cfg.strikes_to_ban and alive):
+        # A small tolerance: three thirds of a strike are a strike.
+        if hard or (sum(x[3] for x in st.strikes) >= cfg.strikes_to_ban - 1e-9 and alive):
             st.banned = True
             self._banned.add(sender)
         return Verdict(True, st.banned or sender in self._banned, score, reasons)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 import math
 import random
@@ -106,6 +107,7 @@ class NodeOptions:
     # a missed attacker when routing floods one receiver with an attacker's messages (tests/test_security_live.py,
     # opt-in). Enable with `agora node --sentinel`.
     sentinel: bool = False
+    sentinel_log: Optional[str] = None  # JSONL file: one line per message SENTINEL judged (the evidence behind bans)
     rate_limit_per_s: float = 200.0  # fwd_bwd calls per second per caller (burst = 2x)
     hop_timeout_s: float = 30.0  # one stage's compute + its downstream chain, scaled by the stages left
     max_retries: int = 3
@@ -623,22 +625,45 @@ class StageNode:
     def banned_peers(self) -> set[str]:
         return self.sentinel.banned_peers() if self.sentinel is not None else set()
 
+    def sent_version(self, step: int) -> list:
+        """The parameter version a message this stage computed at ``step`` came from: [step, fingerprint]. Sent
+        with every boundary and gradient, so that SENTINEL compares messages of replicas holding the same weights
+        (the fingerprint is None when it was not computed at that step, e.g. during a state download)."""
+        sync = self.sync
+        fp = sync.fingerprint if sync is not None and sync.fingerprint_step == step else None
+        return [int(step), fp]
+
     async def _screen(self, sender: str, boundary: int, direction: str, tensor: torch.Tensor,
-                      tokens: torch.Tensor, paired: Optional[torch.Tensor] = None) -> bool:
-        """Score one received message with SENTINEL (off the event loop); True if it must be dropped."""
+                      tokens: torch.Tensor, paired: Optional[torch.Tensor] = None, version=None) -> bool:
+        """Score one received message with SENTINEL (off the event loop); True if it must be dropped.
+
+        ``version``: the sender's claimed ``sent_version`` (unverified; SENTINEL only uses it to pick whom to compare
+        the message with, see ``SentinelMonitor.observe``)."""
         if self.sentinel is None:
             return False
+        step = self.step
         verdict = await self.run_io(
-            functools.partial(self.sentinel.observe, sender, boundary, direction, tensor, step=self.step,
-                              tokens=tokens, paired=paired)
+            functools.partial(self.sentinel.observe, sender, boundary, direction, tensor, step=step,
+                              tokens=tokens, paired=paired, version=version)
         )
+        if self.opts.sentinel_log:
+            await self.run_io(self._log_verdict, sender, boundary, direction, step, version, verdict)
         if verdict.flagged and not verdict.banned:  # why a message was dropped: the operator's first question
-            logger.info(f"SENTINEL flagged {direction} from {sender[-8:]} at step {self.step}: {verdict.reasons[:3]}")
+            logger.info(f"SENTINEL flagged {direction} from {sender[-8:]} at step {step} (its version "
+                        f"{version}): {verdict.reasons[:3]}")
         if verdict.banned:
             self.log_event("ban", peer_banned=sender, boundary=boundary, direction=direction,
                            reasons=verdict.reasons[:3])
             logger.warning(f"SENTINEL banned {sender[-8:]} ({direction} at boundary {boundary}): {verdict.reasons[:3]}")
         return verdict.flagged or verdict.banned
+
+    def _log_verdict(self, sender: str, boundary: int, direction: str, step: int, version, verdict) -> None:
+        line = {"t": round(time.time(), 3), "sender": sender, "boundary": boundary, "direction": direction,
+                "step": step, "version": version, "flagged": verdict.flagged, "banned": verdict.banned,
+                "score": round(verdict.score, 2) if math.isfinite(verdict.score) else None,
+                "reasons": verdict.reasons[:4]}
+        with open(self.opts.sentinel_log, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     async def _authorize(self, caller: str) -> None:
         """Refuse callers without a certified record in an allow-listed run; no-op in open runs.
@@ -670,10 +695,12 @@ class StageNode:
             self._validate(meta, tensors)
         except RpcError as err:
             if err.code == "non_finite" and self.sentinel is not None:  # NaN/Inf: let SENTINEL ban the sender
-                await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2])
+                await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2],
+                                   version=meta.get("version"))
             raise
         if not self.is_head and bool(meta.get("train", True)):
-            if await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2]):
+            if await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2],
+                                  version=meta.get("version")):
                 raise self._reject("sentinel", "activations flagged as corrupted by SENTINEL")
         train = bool(meta.get("train", True))
         generation = self.generation
@@ -693,9 +720,11 @@ class StageNode:
                 grad_in = await self.run_compute(self._finish_tail, pending) if train else None
                 if train:
                     self.counters.backward += 1
-                return {"loss": loss, "path": [self.peer_id]}, ([grad_in] if grad_in is not None else [])
+                return ({"loss": loss, "path": [self.peer_id], "version": self.sent_version(pending.step)},
+                        [grad_in] if grad_in is not None else [])
             boundary = compress(pending.out.detach(), pending.tokens, self.stage.basis, self.manifest.residual.wire_dtype)
-            down_meta, down_tensors = await self._call_next(meta, boundary, tensors[-1])
+            down_meta, down_tensors = await self._call_next(meta, boundary, tensors[-1],
+                                                            self.sent_version(pending.step))
             if not train:
                 return {"loss": down_meta.get("loss"), "path": [self.peer_id, *down_meta.get("path", [])]}, []
             if len(down_tensors) != 1 or tuple(down_tensors[0].shape) != tuple(boundary.coords.shape):
@@ -706,7 +735,8 @@ class StageNode:
             grad_in = await self.run_compute(self._backward, pending, down_tensors[0])
             self._queue -= 1
             self.counters.backward += 1
-            reply = {"loss": down_meta.get("loss"), "path": [self.peer_id, *down_meta.get("path", [])]}
+            reply = {"loss": down_meta.get("loss"), "path": [self.peer_id, *down_meta.get("path", [])],
+                     "version": self.sent_version(pending.step)}
             return reply, ([grad_in] if grad_in is not None else [])
         except RpcError:
             self.counters.failed += 1
@@ -715,10 +745,11 @@ class StageNode:
             self.inflight -= 1
             self._queue = max(0, self._queue)
 
-    async def _call_next(self, meta: dict, boundary: Boundary, last: torch.Tensor):
-        """Send the boundary to a peer of the next stage; on failure retry other replicas (bounded)."""
+    async def _call_next(self, meta: dict, boundary: Boundary, last: torch.Tensor, version: Optional[list] = None):
+        """Send the boundary to a peer of the next stage; on failure retry other replicas (bounded).
+        ``version``: this stage's ``sent_version`` for the microbatch (the receiver's SENTINEL uses it)."""
         nxt = self.stage_index + 1
-        down_meta = dict(meta, stage=nxt)
+        down_meta = dict(meta, stage=nxt, version=version)
         tensors = [boundary.coords, boundary.tokens, last]
         timeout = self.opts.hop_timeout_s * (self.manifest.n_stages - nxt)
         tried: list[str] = []
@@ -736,7 +767,7 @@ class StageNode:
                 if (self.sentinel is not None and meta.get("train", True) and len(grads) == 1
                         and tuple(grads[0].shape) == tuple(boundary.coords.shape)
                         and await self._screen(peer.peer_id, self.stage_index, "bwd", grads[0], boundary.tokens,
-                                               paired=boundary.coords)):
+                                               paired=boundary.coords, version=reply[0].get("version"))):
                     tried.append(peer.peer_id)
                     self.counters.retried += 1
                     logger.warning(f"gradient from stage {nxt} peer {peer.peer_id[-8:]} flagged; trying another replica")
