@@ -226,3 +226,34 @@ def test_flags_of_a_replica_alone_on_its_weights_weigh_a_third(pool):
             assert not mon.banned("a"), n
             assert mon.strikes("a") == pytest.approx(n / 3)
     assert mon.banned("a") and not mon.banned("b") and not mon.banned("c")
+
+
+def test_a_receiver_bans_at_most_a_minority_of_its_senders_on_statistics(pool):
+    """Honest replicas are the majority (the premise of comparing a sender with its peers). Two of three senders
+    going odd in different ways cannot both be banned on statistics (without the cap both are); one is. A hard
+    verdict (NaN) still bans anyone."""
+    mon, microbatch, i = _warm_monitor(pool)
+    for j in range(30):
+        msg, tok = microbatch(i + j)
+        factor = {0: 3.0, 1: 0.3, 2: 1.0}[j % 3]  # a too loud, b too quiet, c honest
+        mon.observe("abc"[j % 3], 0, "fwd", factor * msg, step=7, tokens=tok, version=(7, 1.5))
+    assert len(mon.banned_peers()) == 1 and mon.banned_peers() <= {"a", "b"}, mon.banned_peers()
+    nan = torch.full_like(microbatch(0)[0], float("nan"))
+    for who in "abc":
+        mon.observe(who, 0, "fwd", nan, step=7, tokens=microbatch(99)[1])
+    assert mon.banned_peers() == {"a", "b", "c"}
+
+
+def test_a_peer_is_dropped_swarm_wide_only_when_a_quorum_of_publishers_banned_it():
+    from agora.swarm.records import BAN_QUORUM, quorate_bans
+
+    h = "hash"
+    published = {
+        "p1": {"manifest_hash": h, "banned": ["evil", "victim"]},  # a liar (or a receiver with a broken reference)
+        "p2": {"manifest_hash": h, "banned": ["evil", "p2"]},  # banning itself counts for nothing
+        "p3": {"manifest_hash": "other run", "banned": ["evil", "victim"]},
+        "p4": "garbage",
+    }
+    assert BAN_QUORUM == 2
+    assert quorate_bans(published, h) == {"evil"}
+    assert quorate_bans(published, h, quorum=1) == {"evil", "victim"}

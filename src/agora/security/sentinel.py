@@ -77,7 +77,8 @@ How ``StageNode`` uses it (``agora node --sentinel``): ``_screen`` calls ``obser
 received training activation (upstream sender, direction ``fwd``) and every gradient returned by the peer it
 called (direction ``bwd``, paired with the coordinates it sent); a flagged message is dropped (refused, or retried
 on another replica), a banned sender is refused and skipped by routing and averaging, and bans are published under
-``records.bans_key(run_id)``, where other peers treat them as advisory evidence.
+``records.bans_key(run_id)``; trainers and averaging groups drop a peer once ``records.BAN_QUORUM`` publishers
+banned it.
 
 Cost: ~1 ms per [8, 64, 8] message and ~10-20 ms per [8, 1024, 51] one on one CPU thread (linear in size), so for
 real message sizes call it off the event loop, e.g. ``await self.run_io(functools.partial(self.sentinel.observe,
@@ -467,9 +468,9 @@ class SentinelMonitor:
                 stream.pending.remove(p)
                 other = stream.senders.get(who)
                 if other is not None and who not in self._banned:
+                    # Not a statistical strike: it is not judged against the reference but against a recomputation.
                     self._strike(stream, who, other, [*p.reasons, f"differs from {sender[-8:]}'s result on the same "
-                                                                   f"input and weights"], 0.0, statistical=True,
-                                 counted=True, tok=p.tok)
+                                                                   f"input and weights"], 0.0, counted=True, tok=p.tok)
 
     def _judge(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str]) -> Verdict:
         if not stream.ready:
@@ -688,8 +689,13 @@ class SentinelMonitor:
                   and stream.n - s.last_at <= cfg.common_recent and _comparable(s.last_version, raw.version)]
         common = np.median(np.stack([z, *recent]), axis=0) if len(recent) + 1 >= cfg.peer_min_senders else None
         st.last_z, st.last_at, st.last_version = z, stream.n, raw.version
-        flagged = [i for i in np.flatnonzero(np.abs(z) > cfg.kappa)
-                   if common is None or abs(z[i] - common[i]) > cfg.kappa]
+        # The threshold of each feature is kappa times the measured sd of its honest z (never below kappa): a
+        # heavy-tailed feature (live: the channel-profile and mean-vector distances, the skewness direction while the
+        # model trains) would otherwise drop honest messages at many times the nominal rate.
+        z_scale = np.sqrt(np.maximum(stream.z2, 1.0)) if stream.z2 is not None else np.ones_like(z)
+        threshold = cfg.kappa * z_scale
+        flagged = [i for i in np.flatnonzero(np.abs(z) > threshold)
+                   if common is None or abs(z[i] - common[i]) > threshold[i]]
         flag_reasons = [f"{names[i]} z={z[i]:+.1f}" for i in flagged]
         reasons = []
         stream.recent.append(raw)
@@ -700,9 +706,8 @@ class SentinelMonitor:
         zc = np.clip(z, -cfg.kappa, cfg.kappa)
         # The spreads are robust estimates; heavy-tailed features (peaks, distances) have z with a variance above
         # 1. The peer test and the CUSUM compare sums of z, so they are scaled by the z's measured variance (never
-        # below 1: a feature calmer than its estimate keeps the nominal scale).
+        # below 1: a feature calmer than its estimate keeps the nominal scale), like the per-message threshold.
         # Measured on accepted messages of senders in good standing only, so an attacker cannot widen it.
-        z_scale = np.sqrt(np.maximum(stream.z2, 1.0)) if stream.z2 is not None else np.ones_like(z)
         dev, peer = None, None
         if not self._alone(stream, st, raw.version):
             # (A sender alone on its weights is not fed to the peer tests: its offset is its weights', not its own
@@ -821,6 +826,17 @@ class SentinelMonitor:
             self._reanchor(stream)
         return shared
 
+    def _minority_after_ban(self, stream: _Stream, sender: str) -> bool:
+        """Whether banning ``sender`` keeps the senders this receiver banned on statistics alone a minority of the
+        stream's active senders. Honest replicas are the majority (the premise of any comparison with peers); a
+        monitor about to ban most of its senders is following a broken reference (live, early in training, one
+        receiver banned every peer of the next stage), and the evidence waits for a stronger kind: a
+        recomputation by another replica, a replay, a non-finite value."""
+        cfg = self.cfg
+        active = [p for p, s in stream.senders.items() if stream.n - s.last_seen <= cfg.peer_active_window]
+        banned = sum(p in self._banned for p in active if p != sender)
+        return banned + 1 <= (len(active) - 1) // 2
+
     def _alone(self, stream: _Stream, st: _Sender, version: Optional[tuple]) -> bool:
         """Whether the sender claims weights that an active peer contradicts (same step, other fingerprint) and
         that no active peer shares."""
@@ -868,7 +884,8 @@ class SentinelMonitor:
         alive = not statistical or max(
             (at for who, at in stream.accepted_at.items() if who != sender), default=-1) >= st.strikes[0][1]
         # A small tolerance: three thirds of a strike are a strike.
-        if hard or (sum(x[3] for x in st.strikes) >= cfg.strikes_to_ban - 1e-9 and alive):
+        if hard or (sum(x[3] for x in st.strikes) >= cfg.strikes_to_ban - 1e-9 and alive
+                    and (not statistical or self._minority_after_ban(stream, sender))):
             st.banned = True
             self._banned.add(sender)
         return Verdict(True, st.banned or sender in self._banned, score, reasons)

@@ -396,7 +396,7 @@ class ReplicaSync:
         return bool(outsiders)
 
     async def banned_replicas(self) -> set[str]:
-        """Replicas banned by SENTINEL (ours or published by other peers), refreshed at most every 2 s."""
+        """Replicas banned by SENTINEL (ours, or published by ``BAN_QUORUM`` other peers), refreshed at most every 2 s."""
         n = self.node
         if time.monotonic() - self._banned_at > 2.0:
             self._banned_at = time.monotonic()

@@ -147,11 +147,24 @@ def read_swarm(dht: DHT, run_id: str, n_stages: int, manifest_hash: str) -> list
     return [read_stage(dht, run_id, s, manifest_hash) for s in range(n_stages)]
 
 
-def read_bans(dht: DHT, run_id: str, manifest_hash: str) -> set[str]:
-    """Peers that some other peer of the run has banned for corrupted messages (a publisher's ban of itself is
-    ignored). Used to keep banned peers out of routing and averaging groups."""
-    banned: set[str] = set()
-    for publisher, value in read_subkeys(dht, bans_key(run_id)).items():
+# Distinct publishers whose SENTINEL banned a peer before the rest of the swarm (trainers, averaging groups) drops
+# it. One publisher is not enough: a malicious peer could otherwise publish bans of every honest peer, and an honest
+# receiver's mistaken ban would exclude a peer everywhere. The publisher's own bans always apply to itself.
+BAN_QUORUM = 2
+
+
+def read_bans(dht: DHT, run_id: str, manifest_hash: str, quorum: int = BAN_QUORUM) -> set[str]:
+    """Peers that at least ``quorum`` other peers of the run have banned for corrupted messages (a publisher's ban
+    of itself is ignored). Used to keep banned peers out of routing and averaging groups."""
+    return quorate_bans(read_subkeys(dht, bans_key(run_id)), manifest_hash, quorum)
+
+
+def quorate_bans(published: dict, manifest_hash: str, quorum: int = BAN_QUORUM) -> set[str]:
+    """``published``: publisher peer id -> its bans record. The peers banned by >= ``quorum`` distinct publishers."""
+    votes: dict[str, set[str]] = {}
+    for publisher, value in published.items():
         if isinstance(value, dict) and value.get("manifest_hash") == manifest_hash:
-            banned.update(str(p) for p in value.get("banned", []) if str(p) != publisher)
-    return banned
+            for p in value.get("banned", []):
+                if str(p) != publisher:
+                    votes.setdefault(str(p), set()).add(publisher)
+    return {p for p, by in votes.items() if len(by) >= quorum}

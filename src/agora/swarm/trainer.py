@@ -81,7 +81,7 @@ class Trainer:
         self.swarm: list[list[StageRecord]] = [[] for _ in range(manifest.n_stages)]
         self.inflight: dict[str, int] = {}
         self.acks: dict[str, int] = {}  # head-stage results received, per head peer (receiver-side accounting)
-        self.banned: set[str] = set()  # heads banned by the next stage's SENTINEL (published in the DHT)
+        self.banned: set[str] = set()  # peers banned by SENTINEL of BAN_QUORUM publishers (in the DHT)
         seed = manifest.seed if data_seed is None else data_seed
         self._batches = shard.batches(manifest.batch.microbatch_size, seed=seed) if shard is not None else None
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="trainer-dht")
