@@ -213,12 +213,14 @@ def bench_sentinel(
     out: Path = typer.Option(Path("bench-out/sentinel")),
     train_steps: int = typer.Option(50, help="train the tiny model this long before recording its messages"),
     drift_steps: int = typer.Option(240, help="also stream messages recorded while tiny trains this many steps (0: off)"),
+    loss_steps: int = typer.Option(120, help="train tiny this long with one attacker per kind, with and without "
+                                             "SENTINEL, and compare validation loss with a clean run (0: off)"),
 ) -> None:
     """SENTINEL detection per attack kind and strength: sender F1, detection delay, clean false positives, also
-    while the model trains (honest drift)."""
+    while the model trains (honest drift); final validation loss under attack against a clean run."""
     from agora.bench.sentinel import run
 
-    run(out, train_steps=train_steps, drift_steps=drift_steps, log=console.print)
+    run(out, train_steps=train_steps, drift_steps=drift_steps, loss_steps=loss_steps, log=console.print)
 
 
 # ---------------------------------------------------------------------------------------------- swarm roles

@@ -11,7 +11,9 @@ monitor, for every attack kind at two strengths and both directions, plus clean 
 
 Reported: per attack kind, strength and direction whether the attacker was banned, the detection delay (corrupted
 messages until the ban), honest bans and message-level precision / recall / F1; clean false-positive rates and
-bans; sender-level precision / recall / F1 per setting and overall.
+bans; sender-level precision / recall / F1 per setting and overall. With ``loss_steps``: the final validation loss
+of ``tiny`` trained with one attacking replica behind SENTINEL (and without it) against a clean run at equal
+tokens (``agora.security.loss_impact``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from typing import Callable
 
 from agora.bench.common import markdown_table, write_result
 from agora.security.evaluate import evaluate
+from agora.security.loss_impact import loss_impact
 
 
-def run(out: Path, train_steps: int = 50, drift_steps: int = 240, log: Callable[[str], None] = print) -> dict:
+def run(out: Path, train_steps: int = 50, drift_steps: int = 240, loss_steps: int = 120,
+        log: Callable[[str], None] = print) -> dict:
     report = evaluate("tiny", train_steps=train_steps, drift_steps=drift_steps)
+    if loss_steps:
+        report["loss_impact"] = loss_impact("tiny", steps=loss_steps)
     rows = [[r.get("setting"), r.get("kind"), r.get("strength"), r.get("direction"),
              "yes" if r.get("attacker_banned") else "no", r.get("delay"), r.get("honest_banned"),
              round(r.get("precision"), 3), round(r.get("recall"), 3), round(r.get("f1"), 3)]
@@ -45,6 +51,20 @@ def run(out: Path, train_steps: int = 50, drift_steps: int = 240, log: Callable[
         [[k, f"{s['attackers_banned']}/{s['attackers']}", s["honest_banned"], round(s["precision"], 3),
           round(s["recall"], 3), round(s["f1"], 3), s["median_delay"], s["max_delay"],
           f"{s['clean_flags']}/{s['clean_messages']}"] for k, s in report["by_setting"].items()])
-    write_result(out, "sentinel", {"train_steps": train_steps, "drift_steps": drift_steps, **report}, md)
+    if loss_steps:
+        li = report["loss_impact"]
+        md += (f"\n\nValidation loss after {loss_steps} training steps with one attacking replica (moderate strength, "
+               f"attack from step {loss_steps // 3}), against the clean run's {li['clean']['val_loss']:.4f} "
+               f"(goal: within 2 %):\n\n")
+        md += markdown_table(
+            ["attack", "strength", "direction", "val loss (SENTINEL)", "ratio to clean", "banned at step",
+             "corrupt msgs used", "val loss (no defence)", "ratio (no defence)", "honest bans"],
+            [[r["kind"], r["strength"], r["direction"], round(r["val_loss"], 4), round(r["ratio"], 4),
+              r["attacker_banned_at_step"], r["corrupt_used"], round(r["undefended_val_loss"], 4),
+              None if r["undefended_ratio"] is None else round(r["undefended_ratio"], 4), r["honest_banned"]]
+             for r in li["rows"]])
+        md += f"\nWorst ratio with SENTINEL: {li['worst_ratio']:.4f}.\n"
+    write_result(out, "sentinel", {"train_steps": train_steps, "drift_steps": drift_steps, "loss_steps": loss_steps,
+                                   **report}, md)
     log(md)
     return report

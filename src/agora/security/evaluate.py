@@ -237,8 +237,9 @@ class _StreamTally:
     def send(self, who: str, msg: Tensor, bad: bool, step: int, tokens: Tensor, coords: Tensor) -> None:
         """``who`` sends ``msg`` (``bad``: corrupted by the attack) and the monitor judges it."""
         self.corrupted += bad
+        # Every sender of a round/step holds that step's weights (replicas average), so all claim one version.
         v = self.monitor.observe(who, 0, self.direction, msg, step=step, tokens=tokens,
-                                 paired=coords if self.direction == "bwd" else None)
+                                 paired=coords if self.direction == "bwd" else None, version=(step, 0.0))
         if self.delay is None and self.corrupted and self.monitor.banned("attacker"):
             self.delay = self.corrupted  # possibly banned while re-scoring warm-up, on another sender's message
         if bad:

@@ -122,6 +122,7 @@ class SentinelConfig:
     common_recent: int = 12  # a sender's last z counts for the common-mode check if this many stream messages old
     reanchor_after: int = 12  # stream messages in a row without one accepted: the reference is re-anchored
     kappa: float = 6.0  # per-message robust z threshold
+    max_threshold_scale: float = 2.0  # ... times the feature's measured honest z sd, capped at this
     cusum_k: float = 1.0  # CUSUM slack, in sigmas
     cusum_h: float = 15.0  # CUSUM alarm level
     cusum_strikes: int = 3  # a confirmed alarm is accumulated evidence: by default it bans on its own
@@ -689,11 +690,13 @@ class SentinelMonitor:
                   and stream.n - s.last_at <= cfg.common_recent and _comparable(s.last_version, raw.version)]
         common = np.median(np.stack([z, *recent]), axis=0) if len(recent) + 1 >= cfg.peer_min_senders else None
         st.last_z, st.last_at, st.last_version = z, stream.n, raw.version
-        # The threshold of each feature is kappa times the measured sd of its honest z (never below kappa): a
-        # heavy-tailed feature (live: the channel-profile and mean-vector distances, the skewness direction while the
-        # model trains) would otherwise drop honest messages at many times the nominal rate.
+        # The threshold of each feature is kappa times the measured sd of its honest z, between 1 and
+        # ``max_threshold_scale``: a heavy-tailed feature (live: the channel-profile and mean-vector distances, the
+        # skewness direction while the model trains) would otherwise drop honest messages at many times the nominal
+        # rate. The cap: early in training every feature's z is wide (drift), and an uncapped threshold let a 4x
+        # scaled message (z ~ 25) through for 20 steps.
         z_scale = np.sqrt(np.maximum(stream.z2, 1.0)) if stream.z2 is not None else np.ones_like(z)
-        threshold = cfg.kappa * z_scale
+        threshold = cfg.kappa * np.minimum(z_scale, cfg.max_threshold_scale)
         flagged = [i for i in np.flatnonzero(np.abs(z) > threshold)
                    if common is None or abs(z[i] - common[i]) > threshold[i]]
         flag_reasons = [f"{names[i]} z={z[i]:+.1f}" for i in flagged]
@@ -766,7 +769,7 @@ class SentinelMonitor:
             # sender accumulating evidence could otherwise drag the reference towards itself and hide).
             stream.window.append(raw)
             stream.accepted_at[sender] = stream.last_accept = stream.n
-            stream.z2 = zc**2 if stream.z2 is None else 0.98 * stream.z2 + 0.02 * zc**2
+            stream.z2 = 0.98 * (np.ones_like(zc) if stream.z2 is None else stream.z2) + 0.02 * zc**2
             self._set_reference(stream, list(stream.window))
         return Verdict(False, st.banned or sender in self._banned, score, [])
 
