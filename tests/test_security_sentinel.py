@@ -257,3 +257,25 @@ def test_a_peer_is_dropped_swarm_wide_only_when_a_quorum_of_publishers_banned_it
     assert BAN_QUORUM == 2
     assert quorate_bans(published, h) == {"evil"}
     assert quorate_bans(published, h, quorum=1) == {"evil", "victim"}
+
+
+def test_an_audit_bans_what_no_statistic_sees_and_needs_two_agreeing_recomputations(pool):
+    """``stale``: the real message of another microbatch is statistically honest. A recomputation of the same input
+    by replicas with the same weights exposes it; one disagreeing auditor is not enough (it may be the liar), two
+    that agree are; an auditor contradicted by another that confirms the message is struck itself; recomputations
+    of other weights prove nothing."""
+    mon, microbatch, i = _warm_monitor(pool)
+    v = (7, 1.5)
+    real, _ = microbatch(i)
+    stale, tok = microbatch(i + 1)[0], microbatch(i)[1]  # another microbatch's real message, sent for this one
+    mon.observe("a", 0, "fwd", stale, step=7, tokens=tok, version=v)  # an honest-looking message
+    assert "second" in mon.recomputed("a", 0, "fwd", stale, v, [("b", real, v)]).reasons[0]
+    assert "inconclusive" in mon.recomputed("a", 0, "fwd", stale, v, [("b", real, (7, 2.5)), ("c", real, (8, 1.5))]
+                                            ).reasons[0]
+    assert mon.strikes("a") == 0
+    verdict = mon.recomputed("a", 0, "fwd", stale, v, [("b", real, v), ("c", real.clone(), [7, 1.5])])
+    assert verdict.flagged and not verdict.banned and "differs" in verdict.reasons[0]
+    assert mon.recomputed("a", 0, "fwd", stale, v, [("b", real, v), ("c", real, v)]).banned  # two failed audits
+    # An honest message: a lying auditor is contradicted by an honest one and struck.
+    assert not mon.recomputed("b", 0, "fwd", real, v, [("c", 2 * real, v), ("d", real, v)]).flagged
+    assert mon.strikes("c") == pytest.approx(1.5) and mon.strikes("b") == 0

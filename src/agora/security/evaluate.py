@@ -34,6 +34,9 @@ from agora.security.attacks import AttackState, apply_attack
 from agora.security.sentinel import SentinelConfig, SentinelMonitor
 from agora.wire import Boundary, decompress
 
+# Share of accepted messages a receiver has recomputed by another replica (the ``StageNode`` default).
+AUDIT_RATE = 0.1
+
 # (weak, moderate) strengths per kind; the tests use the moderate ones.
 EVAL_STRENGTHS: dict[str, tuple[float, float]] = {
     "gaussian": (0.25, 1.0),
@@ -213,10 +216,13 @@ class _StreamTally:
     clean (fp/tn) ones, the attacker's detection delay, honest flag rate, the first reasons given."""
 
     def __init__(self, monitor: SentinelMonitor, kind: Optional[str], direction: str, strength: float = 0.0,
-                 seed: int = 0, clean_reasons: bool = False):
+                 seed: int = 0, clean_reasons: bool = False, audit_rate: float = AUDIT_RATE):
         self.monitor, self.kind, self.direction, self.clean_reasons = monitor, kind, direction, clean_reasons
         self.strength = strength
         self.gen = torch.Generator().manual_seed(seed)
+        self.audit_rate, self.audit_rng = audit_rate, random.Random(seed + 7)
+        self.audits = 0
+        self.honest: Optional[Tensor] = None  # the honest content of the message being sent (what a replica recomputes)
         self.state = AttackState()
         self.tp = self.fp = self.fn = self.tn = 0
         self.honest_flags = self.honest_msgs = 0
@@ -227,6 +233,7 @@ class _StreamTally:
     def outgoing(self, who: str, msg: Tensor, attacking: bool) -> tuple[Tensor, bool]:
         """(what ``who`` sends, whether it is corrupted): the attacker corrupts ``msg`` once ``attacking``; before,
         it remembers it (replay and stale attacks draw on what it sent while behaving)."""
+        self.honest = msg
         if who != "attacker" or self.kind is None:
             return msg, False
         if attacking:
@@ -240,6 +247,16 @@ class _StreamTally:
         # Every sender of a round/step holds that step's weights (replicas average), so all claim one version.
         v = self.monitor.observe(who, 0, self.direction, msg, step=step, tokens=tokens,
                                  paired=coords if self.direction == "bwd" else None, version=(step, 0.0))
+        if not v.flagged and self.audit_rate and self.audit_rng.random() < self.audit_rate:
+            # The receiver has another replica (same weights) recompute this accepted message (``StageNode``).
+            self.audits += 1
+            # Two honest replicas recompute it when the first disagrees (the node asks a second one then).
+            first = [("auditor-1", self.honest, (step, 0.0))]
+            if self.monitor.same_message(msg, self.honest):
+                self.monitor.recomputed(who, 0, self.direction, msg, (step, 0.0), first)
+            else:
+                self.monitor.recomputed(who, 0, self.direction, msg, (step, 0.0),
+                                        first + [("auditor-2", self.honest.clone(), (step, 0.0))])
         if self.delay is None and self.corrupted and self.monitor.banned("attacker"):
             self.delay = self.corrupted  # possibly banned while re-scoring warm-up, on another sender's message
         if bad:

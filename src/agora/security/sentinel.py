@@ -36,20 +36,34 @@ How it decides (``SentinelMonitor.observe``):
    >= 3 senders, senders vote rather than messages (routing can give one peer most of a receiver's traffic): the
    centre is the median of the senders' own medians, the spread the within-sender noise plus the spread between
    senders' medians, and at the end of the warm-up a sender whose median is off that centre seeds nothing.
-5. Per-message robust z-scores; ``|z| > kappa`` on a feature flags the message (it is dropped). A flag that the
-   senders' latest messages share (median of their z, >= 3 senders) is a common shift, not a flag. The *strike*
-   waits for the other senders' next messages: if they show the same shift, the stream moved (the flag is
+5. Per-message robust z-scores; ``|z| > kappa x`` the feature's measured honest z sd (1 to ``max_threshold_scale``)
+   flags the message (it is dropped). A flag that the senders' latest messages share (median of their z, >= 3
+   senders) is a common shift, not a flag. The *strike* waits for the other senders' next messages: if one shows
+   the same shift (on the flag's strongest feature and on most of the others), the stream moved (the flag is
    dismissed and the reference re-anchored on the latest messages); if they do not, this sender stood out from its
    peers at the same time, and it is struck. This peer comparison works with 2 senders too.
-6. Peer-relative evidence on z (drift cancels): a per-sender EMA of z against the median of the active senders'
+6. Same weights only: every message carries its sender's parameter version, ``(step, fingerprint)``
+   (``StageNode.sent_version``). Between averaging rounds a replica that missed one holds other weights at the same
+   step until it repairs, and its messages differ for a reason that is nobody's fault; so a message of the same
+   step but another fingerprint neither confirms a flag nor counts in the common-mode median, and a sender alone
+   on its weights is kept out of the peer tests. A flag nobody with the same weights could settle expires as
+   ``unconfirmed_weight`` (a third) of a strike: a sender that lies about its version still gets banned, later.
+7. Recomputation, the strongest evidence, for free: a receiver retries a dropped microbatch on another replica,
+   and replicas with the same weights compute bit-identical messages. If the retry returns the exact content that
+   was flagged, the flag was the reference's fault: it is withdrawn for every sender of that content, the message
+   is used, the reference re-anchored. If a replica claiming the same weights returns different, accepted content
+   for the same input, the flagged sender is struck at once (not a statistical strike).
+8. Peer-relative evidence on z (drift cancels): a per-sender EMA of z against the median of the active senders'
    EMAs (>= 3 senders), and a two-sided CUSUM on the message's z minus that median (small persistent shifts),
    both scaled by the measured variance of honest z. A CUSUM alarm also needs the sender's EMA ``cusum_peer_min``
    sds off the median, same side.
-7. Only un-flagged messages of senders in good standing (CUSUM below ``trust_cusum``) enter the window. Every
+9. Only un-flagged messages of senders in good standing (CUSUM below ``trust_cusum``) enter the window. Every
    confirmed flag is a strike (a CUSUM alarm ``cusum_strikes``); a sender with ``strikes_to_ban`` strikes within its
    last ``strike_window`` messages is banned if some other sender's message was accepted since the first of them
-   (the reference was alive). If nobody's message is accepted for ``reanchor_after`` messages the reference is
-   re-anchored and the statistical strikes earned meanwhile are forgotten.
+   (the reference was alive), and if, on statistics alone, the senders this receiver banned stay a minority of its
+   active senders (honest replicas are the majority; a receiver about to ban most of them follows a broken
+   reference). If nobody's message is accepted for ``reanchor_after`` messages the reference is re-anchored and the
+   statistical strikes earned meanwhile are forgotten.
 
 Measured (``agora bench sentinel``, offline, real ``tiny`` traffic, ``docs/bench/sentinel``): on a static pool,
 29/32 attacks banned (median 3 messages), 0 honest bans; on streams recorded while ``tiny`` trains 240 steps (loss
@@ -142,6 +156,10 @@ class SentinelConfig:
     n_projections: int = 4
     sigma_floor: float = 1e-3  # features are scale-free; a constant honest feature still gets a finite sigma
     nonfinite_bans: bool = True  # NaN/Inf bans at once (it is never an honest statistical fluctuation)
+    audit_tolerance: float = 1e-3  # relative L2 difference between a message and its recomputation that is rounding
+    # A failed audit weighs this much of a strike: two ban. Not one: a replica repairing its state at the same step
+    # can send a message of its old weights under its new fingerprint, once.
+    audit_weight: float = 1.5
     replay_bits: int = 64
     replay_max_distance: int = 2  # Hamming distance (of replay_bits) that counts as the same message
     replay_memory: int = 1024  # recent digests kept per (boundary, direction)
@@ -267,6 +285,13 @@ def _comparable(a: Optional[tuple], b: Optional[tuple]) -> bool:
     return a[1] == b[1]
 
 
+def _relative_difference(x: Tensor, y: Tensor) -> float:
+    x, y = x.detach().double(), y.detach().double()
+    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+        return math.inf
+    return float((x - y).norm() / (y.norm() + 1e-30))
+
+
 def _rows(x: Tensor) -> Tensor:
     x = x.detach().to(torch.float64)
     if x.dim() == 0:
@@ -349,6 +374,53 @@ class SentinelMonitor:
         with self._lock:
             return self._observe(str(sender), int(boundary), direction, tensor, tokens, paired, step,
                                  _version_key(version))
+
+    def recomputed(self, sender: str, boundary: int, direction: Direction, original: Tensor, version: object,
+                   recomputations: Sequence[tuple[str, Tensor, object]]) -> Verdict:
+        """An audit: other replicas of ``sender``'s stage recomputed a message it sent (same input), as
+        ``(auditor, tensor, its version)``; the receiver compares.
+
+        Replicas with the same weights compute the same message (bit-identical live; ``audit_tolerance`` allows
+        for rounding). Only recomputations claiming ``sender``'s version (both fingerprints known) count. The
+        sender is struck (not a statistical strike: nothing is estimated) when two of them agree with each other
+        and not with its message: that bans a sender whose corruption looks honest to every statistic, e.g. the
+        real message of another microbatch (``stale``) or noise below the per-message spread. One disagreeing
+        recomputation is no proof (the auditor may be the liar): the caller asks a second replica. An auditor that
+        disagrees with the message and with another auditor who confirms the message is struck itself.
+        """
+        a = _version_key(version)
+        with self._lock:
+            sender = str(sender)
+            if sender in self._banned:
+                return Verdict(True, True, 0.0, ["banned"])
+            valid = [(str(who), t) for who, t, v in recomputations
+                     if a is not None and a[1] is not None and _version_key(v) == a
+                     and tuple(t.shape) == tuple(original.shape) and str(who) not in self._banned]
+            if not valid:
+                return Verdict(False, False, 0.0, ["audit inconclusive (no recomputation with the same weights)"])
+            agree = [who for who, t in valid if self.same_message(original, t)]
+            differ = [(who, t) for who, t in valid if who not in agree]
+            stream = self._streams.get((int(boundary), direction))
+            if stream is None:
+                stream = self._streams[(int(boundary), direction)] = _Stream(
+                    window=deque(maxlen=self.cfg.window), recent=deque(maxlen=self.cfg.centre))
+            if agree:
+                for who, _ in differ:  # it contradicted a recomputation that confirms the message
+                    self._strike(stream, who, stream.senders.setdefault(who, _Sender()),
+                                 [f"audit of {sender[-8:]}'s message contradicted by {agree[0][-8:]}"], 0.0,
+                                 counted=True, weight=self.cfg.audit_weight)
+                return Verdict(False, False, 0.0, [])
+            if len(differ) >= 2 and self.same_message(differ[0][1], differ[1][1]):
+                st = stream.senders.setdefault(sender, _Sender())
+                diff = _relative_difference(original, differ[0][1])
+                return self._strike(stream, sender, st, [f"recomputed by {differ[0][0][-8:]} and {differ[1][0][-8:]}: "
+                                                         f"differs (relative difference {diff:.3g})"], diff,
+                                    counted=True, weight=self.cfg.audit_weight)
+            return Verdict(False, False, 0.0, ["audit needs a second recomputation"])
+
+    def same_message(self, x: Tensor, y: Tensor) -> bool:
+        """Whether two messages are one computation's result, up to ``audit_tolerance``."""
+        return _relative_difference(x, y) <= self.cfg.audit_tolerance
 
     def banned(self, sender: str) -> bool:
         return str(sender) in self._banned

@@ -108,6 +108,10 @@ class NodeOptions:
     # opt-in). Enable with `agora node --sentinel`.
     sentinel: bool = False
     sentinel_log: Optional[str] = None  # JSONL file: one line per message SENTINEL judged (the evidence behind bans)
+    # With SENTINEL: the share of accepted gradients from the last stage that another tail replica with the same
+    # weights recomputes (``SentinelMonitor.recomputed``): catches corruption no statistic sees, for this much extra
+    # tail compute. Audits of middle stages would need their downstream chain: not done.
+    audit_rate: float = 0.1
     rate_limit_per_s: float = 200.0  # fwd_bwd calls per second per caller (burst = 2x)
     hop_timeout_s: float = 30.0  # one stage's compute + its downstream chain, scaled by the stages left
     max_retries: int = 3
@@ -192,6 +196,7 @@ class StageNode:
         self._queue = 0
         self._p2p = None
         self._tasks: list[asyncio.Task] = []
+        self._audit: Optional[asyncio.Task] = None  # the SENTINEL audit in flight, if any (see _start_audit)
         self._sync_task: Optional[asyncio.Task] = None
         self._syncs: list = []  # every ReplicaSync this node created: all are shut down on stop
         self._serving_since = time.monotonic()
@@ -285,7 +290,7 @@ class StageNode:
         except Exception as err:  # the DHT may already be gone; leaving must still finish
             logger.warning(f"could not announce leaving: {err!r}")
         await self._drain()
-        tasks = [*self._tasks, *([self._sync_task] if self._sync_task else [])]
+        tasks = [*self._tasks, *(t for t in (self._sync_task, self._audit) if t is not None)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -698,6 +703,12 @@ class StageNode:
                 await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2],
                                    version=meta.get("version"))
             raise
+        if meta.get("audit"):
+            # Recompute for a replica's receiver; nothing here trains on it, so it is not screened either.
+            if not self.is_tail:
+                raise self._reject("wrong_stage", "audits are served by the last stage only")
+            grad, step = await self.run_compute(self._recompute_tail, tensors)
+            return {"loss": None, "path": [self.peer_id], "version": self.sent_version(step)}, [grad]
         if not self.is_head and bool(meta.get("train", True)):
             if await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2],
                                   version=meta.get("version")):
@@ -773,6 +784,9 @@ class StageNode:
                     logger.warning(f"gradient from stage {nxt} peer {peer.peer_id[-8:]} flagged; trying another replica")
                     continue
                 self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
+                if (self.sentinel is not None and meta.get("train", True) and len(grads) == 1
+                        and nxt == self.manifest.n_stages - 1 and random.random() < self.opts.audit_rate):
+                    self._start_audit(peer.peer_id, down_meta, tensors, grads[0], reply[0].get("version"))
                 return reply
             except RpcError as err:
                 last_error = err
@@ -784,6 +798,56 @@ class StageNode:
                 self.counters.retried += 1
                 logger.warning(f"stage {nxt} peer {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
         raise RpcError("retries_exhausted", f"stage {nxt}: {self.opts.max_retries} retries failed; last: {last_error}")
+
+    def _start_audit(self, sender: str, meta: dict, tensors: list, grad: torch.Tensor, version) -> None:
+        """Recompute ``sender``'s gradient on other tails in the background, one audit at a time (an audit is
+        evidence, not a deadline: skipping one when busy costs nothing)."""
+        if self._audit is not None and not self._audit.done():
+            return
+        self._audit = asyncio.create_task(self._run_audit(sender, meta, tensors, grad, version), name="audit")
+
+    async def _run_audit(self, sender: str, meta: dict, tensors: list, grad: torch.Tensor, version) -> None:
+        """Ask a tail replica at the sender's step for the same gradient (``audit``: computed, not trained on); if
+        it differs, ask a second one, then let SENTINEL judge (``recomputed``)."""
+        banned = self.banned_peers()
+        others = [r for r in self.next_records if r.peer_id != sender and r.peer_id not in banned
+                  and r.state == PeerState.SERVING.value and isinstance(version, list) and r.step == version[0]]
+        random.shuffle(others)
+        results: list = []
+        for rec in others[:2]:
+            try:
+                reply, out = await transport.call(self._p2p, rec.peer_id, self.manifest.run_id, FWD_BWD,
+                                                  dict(meta, audit=True), tensors, self.opts.hop_timeout_s,
+                                                  stats=self.stats_out)
+            except RpcError as err:
+                logger.debug(f"audit on {rec.peer_id[-8:]} failed: {err}")
+                continue
+            if len(out) != 1:
+                continue
+            results.append((rec.peer_id, out[0], reply.get("version")))
+            if self.sentinel.same_message(grad, out[0]):
+                break  # confirmed: no second opinion needed
+        if not results:
+            return
+        verdict = await self.run_io(functools.partial(self.sentinel.recomputed, sender, self.stage_index, "bwd", grad,
+                                                      version, results))
+        if self.opts.sentinel_log:
+            await self.run_io(self._log_verdict, sender, self.stage_index, "audit", self.step, version, verdict)
+        if verdict.flagged:
+            self.log_event("audit_failed", peer=sender, reasons=verdict.reasons[:2])
+            logger.warning(f"SENTINEL audit: {sender[-8:]}'s gradient is not what its weights compute: "
+                           f"{verdict.reasons[:1]}{' (banned)' if verdict.banned else ''}")
+
+    def _recompute_tail(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """An audit request: the gradient this tail returns for ``tensors``, without training on it (no parameter
+        gradients, samples or throughput counted), and the step of the weights used. The same computation as
+        ``_forward`` + ``_finish_tail``, so that an honest tail at the same version reproduces it bit for bit."""
+        tokens, last = tensors[-2].long(), tensors[-1].long()
+        with torch.enable_grad():
+            leaf, out = self._forward_from(tensors[0], tokens)
+            targets = torch.cat([tokens[:, 1:], last[:, None]], dim=1)
+            (grad,) = torch.autograd.grad(self.stage.loss(out, targets) * tokens.shape[0], leaf)
+        return grad.to(self._wire_dtype), self.step
 
     async def _wait_for_next_peer(self, tried: list[str]) -> Optional[StageRecord]:
         """A next-stage peer for this attempt: untried and unbanned if possible, else the best of the rest (the

@@ -1,0 +1,49 @@
+"""SENTINEL audits in a live (in-process) swarm: a head has other tails recompute gradients it accepted."""
+
+import asyncio
+
+import torch
+
+from agora.config import load_manifest
+from agora.security.attacks import install_attack
+from agora.swarm import transport
+from agora.swarm.node import FWD_BWD, NodeOptions
+from swarm_util import local_swarm, wait_until
+
+# No optimizer step during the test (the target batch is never reached): every tail keeps its initial weights, so
+# all share one version and every audit can be answered.
+MAN = load_manifest("tiny").with_overrides(**{"batch.target_batch_size": 4096})
+
+
+def test_a_tail_adding_faint_noise_is_banned_by_audits_and_honest_tails_are_not():
+    """Gaussian noise at 0.1 x the gradient's rms is far below what statistics of one message can see (offline even
+    0.25 x goes unnoticed). Every accepted gradient is recomputed by another tail (``audit_rate=1``): the noisy
+    tail fails two audits and is banned, the honest tails pass theirs (bit-identical recomputations)."""
+
+    async def main():
+        opts = NodeOptions(stall_step_s=1e9, sentinel=True, audit_rate=1.0)
+        async with local_swarm(MAN, [0, 1, 1, 1], opts) as (boot, peers, nodes):
+            head, attacker = nodes[0], nodes[3]
+            install_attack(attacker, "gaussian:0.1@bwd")
+            await wait_until(lambda: len(head.next_records) == 3, 30, "the head to see three tails")
+            p2p = await boot.replicate_p2p()
+            meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 0, "train": True}
+            gen = torch.Generator().manual_seed(0)
+            for i in range(40):
+                tokens = torch.randint(0, MAN.model.vocab_size, (4, MAN.model.seq_len), generator=gen,
+                                       dtype=torch.int32)
+                last = torch.randint(0, MAN.model.vocab_size, (4,), generator=gen, dtype=torch.int32)
+                await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, meta, [tokens, last], timeout=60)
+                if head._audit is not None:
+                    await asyncio.wait_for(asyncio.shield(head._audit), 60)
+                if head.sentinel.banned(attacker.peer_id):
+                    break
+            served = {n.peer_id[-8:]: n.counters.forward for n in nodes[1:]}
+            return (head.sentinel.banned_peers(), attacker.peer_id, {n.peer_id for n in nodes[1:3]},
+                    head.sentinel.summary(), served)
+
+    banned, attacker, honest, summary, served = asyncio.run(main())
+    assert attacker in banned, (summary, served)
+    assert not banned & honest, summary
+    struck = summary["0/bwd"]["senders"][attacker]["struck"]
+    assert any("recomputed by" in r for r in struck), struck

@@ -1,0 +1,29 @@
+"""What an attacking replica costs the model, with and without SENTINEL (``agora.security.loss_impact``)."""
+
+import pytest
+import torch
+
+from agora.security.loss_impact import train_under_attack
+
+STEPS = 60  # tiny: validation loss ~8.3 -> ~6.3; the attack runs from step 20
+
+
+@pytest.fixture(scope="module")
+def clean():
+    torch.set_num_threads(1)
+    return train_under_attack("tiny", None, steps=STEPS)
+
+
+def test_a_sign_flipping_head_hurts_the_model_unless_sentinel_bans_it(clean):
+    """A head that flips the sign of every activation it sends: left alone it costs several percent of validation
+    loss at equal tokens; behind SENTINEL it is banned within a few steps, and the model ends within 2 % of the
+    clean run (the issue's goal)."""
+    assert clean["honest_banned"] == 0
+    bare = train_under_attack("tiny", "sign_flip", 1.0, "fwd", steps=STEPS, defend=False)
+    assert bare["corrupt_used"] == STEPS - STEPS // 3
+    assert bare["val_loss"] > 1.03 * clean["val_loss"], (bare["val_loss"], clean["val_loss"])
+    defended = train_under_attack("tiny", "sign_flip", 1.0, "fwd", steps=STEPS)
+    assert defended["attacker_banned_at_step"] is not None
+    assert defended["attacker_banned_at_step"] <= STEPS // 3 + 10
+    assert defended["honest_banned"] == 0
+    assert defended["val_loss"] <= 1.02 * clean["val_loss"], (defended["val_loss"], clean["val_loss"])
