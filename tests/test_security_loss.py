@@ -20,7 +20,6 @@ def test_a_sign_flipping_head_hurts_the_model_unless_sentinel_bans_it(clean):
     clean run (the issue's goal)."""
     assert clean["honest_banned"] == 0
     bare = train_under_attack("tiny", "sign_flip", 1.0, "fwd", steps=STEPS, defend=False)
-    assert bare["corrupt_used"] == STEPS - STEPS // 3
     assert bare["val_loss"] > 1.03 * clean["val_loss"], (bare["val_loss"], clean["val_loss"])
     defended = train_under_attack("tiny", "sign_flip", 1.0, "fwd", steps=STEPS)
     assert defended["attacker_banned_at_step"] is not None

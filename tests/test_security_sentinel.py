@@ -257,6 +257,7 @@ def test_a_peer_is_dropped_swarm_wide_only_when_a_quorum_of_publishers_banned_it
     assert BAN_QUORUM == 2
     assert quorate_bans(published, h) == {"evil"}
     assert quorate_bans(published, h, quorum=1) == {"evil", "victim"}
+    assert quorate_bans(published, h, publishers={"p1", "p3"}) == set()  # p2 does not serve: its vote is void
 
 
 def test_an_audit_bans_what_no_statistic_sees_and_needs_two_agreeing_recomputations(pool):
@@ -276,6 +277,11 @@ def test_an_audit_bans_what_no_statistic_sees_and_needs_two_agreeing_recomputati
     verdict = mon.recomputed("a", 0, "fwd", stale, v, [("b", real, v), ("c", real.clone(), [7, 1.5])])
     assert verdict.flagged and not verdict.banned and "differs" in verdict.reasons[0]
     assert mon.recomputed("a", 0, "fwd", stale, v, [("b", real, v), ("c", real, v)]).banned  # two failed audits
-    # An honest message: a lying auditor is contradicted by an honest one and struck.
-    assert not mon.recomputed("b", 0, "fwd", real, v, [("c", 2 * real, v), ("d", real, v)]).flagged
+    # A sender claiming no fingerprint is held to what two agreeing replicas at its step compute.
+    assert mon.recomputed("x", 0, "fwd", stale, [7, None], [("b", real, v), ("c", real, (7, 1.5))]).flagged
+    assert not mon.recomputed("x", 0, "fwd", stale, [7, None], [("b", real, (8, 2.5))]).flagged
+    # An honest message: one confirming auditor clears it; a lying auditor is struck only when two confirm.
+    mon.recomputed("b", 0, "fwd", real, v, [("c", 2 * real, v), ("d", real, v)])
+    assert mon.strikes("c") == 0 and mon.strikes("b") == 0
+    mon.recomputed("b", 0, "fwd", real, v, [("c", 2 * real, v), ("d", real, v), ("e", real.clone(), v)])
     assert mon.strikes("c") == pytest.approx(1.5) and mon.strikes("b") == 0

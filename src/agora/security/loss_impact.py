@@ -5,7 +5,8 @@ different: *does the model end up as good as without the attacker?* Here the two
 preset train for real (the manifest's optimizer, schedule and clipping, as a stage node runs them), each step on
 one microbatch per replica seat; the last seat is an attacker that corrupts what it sends once the attack starts
 (its forward activations for ``fwd``, the activation gradients it returns for ``bwd``). Every message crosses the
-boundary through a ``SentinelMonitor`` at its receiver, exactly as in a node:
+boundary through a ``SentinelMonitor`` at its receiver, as in a node (without the node's audits: this measures
+what the statistics alone let through):
 
 * a flagged message is dropped and the receiver retries the microbatch on another replica of the sender's stage,
   which computes the honest message (replicas share the step's weights); that is what the swarm does;

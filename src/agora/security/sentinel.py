@@ -152,6 +152,7 @@ class SentinelConfig:
     # version: an honest replica that has not repaired a missed round yet, or a sender lying about its version)
     # weighs this much of a strike.
     unconfirmed_weight: float = 1 / 3
+    alone_max: int = 20  # ... for this many messages in a row; longer, and its version is treated as made up
     strike_window: int = 50  # in messages of that sender
     n_projections: int = 4
     sigma_floor: float = 1e-3  # features are scale-free; a constant honest feature still gets a finite sigma
@@ -205,6 +206,7 @@ class _Sender:
     last_z: Optional[np.ndarray] = None  # z of its latest message (common-mode check)
     last_at: int = 0  # stream index of that message
     last_version: Optional[tuple] = None  # version of that message
+    alone_run: int = 0  # its latest messages in a row on weights no active peer shares
     ema_n: int = 0
     struck: deque = field(default_factory=lambda: deque(maxlen=8))  # reasons of its latest strikes (the evidence)
 
@@ -258,13 +260,14 @@ class _Judged:
     reasons: list
     senders: set
     base: np.ndarray  # its scalar fingerprint: a retry matches it as well as the SimHash
+    version: Optional[tuple] = None  # the version its first sender claimed
 
 
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
-def _version_key(version: object) -> Optional[tuple]:
+def version_key(version: object) -> Optional[tuple]:
     """``(step, fingerprint)`` as a hashable key; None for anything else (a sender may send garbage here)."""
     if not isinstance(version, (list, tuple)) or len(version) != 2:
         return None
@@ -283,6 +286,16 @@ def _comparable(a: Optional[tuple], b: Optional[tuple]) -> bool:
     if a is None or b is None or a[0] != b[0] or a[1] is None or b[1] is None:
         return True
     return a[1] == b[1]
+
+
+def _same_base(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two scalar fingerprints are one message's (identical content, up to rounding)."""
+    return bool(np.allclose(a, b, rtol=1e-3, atol=1e-3))
+
+
+def _weight(st: "_Sender") -> float:
+    """The sender's current strike weight in one stream."""
+    return sum(x[3] for x in list(st.strikes))
 
 
 def _relative_difference(x: Tensor, y: Tensor) -> float:
@@ -340,6 +353,7 @@ class SentinelMonitor:
         self._proj: dict[int, np.ndarray] = {}
         self._hash: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self._banned: set[str] = set()
+        self._stat_banned: set[str] = set()  # banned on statistical strikes (the minority cap counts these)
         self._lock = threading.Lock()
         n = self.cfg.n_projections
         self.feature_names: tuple[str, ...] = (
@@ -367,13 +381,13 @@ class SentinelMonitor:
         fingerprints come from replicas holding different weights (one missed an averaging round and has not
         repaired yet), so neither is evidence about the other (see ``_comparable``). Unverified: a sender that lies
         about it only changes whom its flags are compared with, and flags nobody could compare still ban
-        (``unconfirmed_to_ban``).
+        (``unconfirmed_weight``, ``alone_max``).
         """
         if direction not in ("fwd", "bwd"):
             raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
         with self._lock:
             return self._observe(str(sender), int(boundary), direction, tensor, tokens, paired, step,
-                                 _version_key(version))
+                                 version_key(version))
 
     def recomputed(self, sender: str, boundary: int, direction: Direction, original: Tensor, version: object,
                    recomputations: Sequence[tuple[str, Tensor, object]]) -> Verdict:
@@ -388,34 +402,37 @@ class SentinelMonitor:
         recomputation is no proof (the auditor may be the liar): the caller asks a second replica. An auditor that
         disagrees with the message and with another auditor who confirms the message is struck itself.
         """
-        a = _version_key(version)
+        cfg, a = self.cfg, version_key(version)
         with self._lock:
             sender = str(sender)
             if sender in self._banned:
                 return Verdict(True, True, 0.0, ["banned"])
-            valid = [(str(who), t) for who, t, v in recomputations
-                     if a is not None and a[1] is not None and _version_key(v) == a
-                     and tuple(t.shape) == tuple(original.shape) and str(who) not in self._banned]
+            stream = self._stream(int(boundary), direction)
+            st = stream.senders.setdefault(sender, _Sender())
+            shaped = [(str(who), t, version_key(v)) for who, t, v in recomputations
+                      if tuple(t.shape) == tuple(original.shape) and str(who) not in self._banned | {sender}]
+            if a is not None and a[1] is not None and st.alone_run <= cfg.alone_max:
+                valid = [(who, t) for who, t, v in shaped if v == a]
+            else:
+                # No fingerprint claimed, or one nobody else has held for ``alone_max`` messages (made up): the
+                # sender is held to what replicas at its step compute (two that agree hold the same weights).
+                valid = [(who, t) for who, t, v in shaped if v is not None and (a is None or v[0] == a[0])]
             if not valid:
                 return Verdict(False, False, 0.0, ["audit inconclusive (no recomputation with the same weights)"])
             agree = [who for who, t in valid if self.same_message(original, t)]
             differ = [(who, t) for who, t in valid if who not in agree]
-            stream = self._streams.get((int(boundary), direction))
-            if stream is None:
-                stream = self._streams[(int(boundary), direction)] = _Stream(
-                    window=deque(maxlen=self.cfg.window), recent=deque(maxlen=self.cfg.centre))
             if agree:
-                for who, _ in differ:  # it contradicted a recomputation that confirms the message
-                    self._strike(stream, who, stream.senders.setdefault(who, _Sender()),
-                                 [f"audit of {sender[-8:]}'s message contradicted by {agree[0][-8:]}"], 0.0,
-                                 counted=True, weight=self.cfg.audit_weight)
+                if len(agree) >= 2:  # two auditors confirm the message: one that contradicts them lied
+                    for who, _ in differ:
+                        self._strike(stream, who, stream.senders.setdefault(who, _Sender()),
+                                     [f"audit of {sender[-8:]}'s message contradicted by {agree[0][-8:]} and "
+                                      f"{agree[1][-8:]}"], 0.0, counted=True, weight=cfg.audit_weight)
                 return Verdict(False, False, 0.0, [])
             if len(differ) >= 2 and self.same_message(differ[0][1], differ[1][1]):
-                st = stream.senders.setdefault(sender, _Sender())
                 diff = _relative_difference(original, differ[0][1])
                 return self._strike(stream, sender, st, [f"recomputed by {differ[0][0][-8:]} and {differ[1][0][-8:]}: "
                                                          f"differs (relative difference {diff:.3g})"], diff,
-                                    counted=True, weight=self.cfg.audit_weight)
+                                    counted=True, weight=cfg.audit_weight)
             return Verdict(False, False, 0.0, ["audit needs a second recomputation"])
 
     def same_message(self, x: Tensor, y: Tensor) -> bool:
@@ -432,12 +449,14 @@ class SentinelMonitor:
         """Lift a ban and clear the sender's evidence (e.g. after an operator's review)."""
         with self._lock:
             self._banned.discard(sender)
+            self._stat_banned.discard(sender)
             for stream in self._streams.values():
                 stream.senders.pop(sender, None)
 
     def strikes(self, sender: str) -> float:
         """The sender's current strike weight, summed over streams."""
-        return sum(x[3] for s in self._streams.values() if sender in s.senders for x in s.senders[sender].strikes)
+        with self._lock:
+            return sum(_weight(s.senders[sender]) for s in self._streams.values() if sender in s.senders)
 
     def summary(self) -> dict:
         """Counts for metrics / the dashboard: per stream, messages seen and per-sender flags / ban state."""
@@ -449,20 +468,24 @@ class SentinelMonitor:
                 "messages": s.n,
                 "ready": s.ready,
                 "senders": {p: {"n": st.n, "flags": st.flags, "banned": st.banned,
-                                "strikes": round(sum(x[3] for x in list(st.strikes)), 2),
+                                "strikes": round(_weight(st), 2),
                                 "struck": list(st.struck)}
                             for p, st in list(s.senders.items())},
             }
         return out
 
     # ------------------------------------------------------------------ internals
-    def _observe(self, sender, boundary, direction, tensor, tokens, paired, step=None, version=None) -> Verdict:
-        if sender in self._banned:
-            return Verdict(True, True, 0.0, ["banned"])  # never scored again: it cannot move any statistic
+    def _stream(self, boundary: int, direction: str) -> _Stream:
         stream = self._streams.get((boundary, direction))
         if stream is None:
             stream = self._streams[(boundary, direction)] = _Stream(
                 window=deque(maxlen=self.cfg.window), recent=deque(maxlen=self.cfg.centre))
+        return stream
+
+    def _observe(self, sender, boundary, direction, tensor, tokens, paired, step=None, version=None) -> Verdict:
+        if sender in self._banned:
+            return Verdict(True, True, 0.0, ["banned"])  # never scored again: it cannot move any statistic
+        stream = self._stream(boundary, direction)
         stream.n += 1
         st = stream.senders.setdefault(sender, _Sender())
         st.n += 1
@@ -476,9 +499,11 @@ class SentinelMonitor:
         if tokens is not None:
             tok = hashlib.blake2b(tokens.detach().cpu().to(torch.int64).numpy().tobytes(), digest_size=16).digest()
             seen = stream.judged.get((tok, digest))
-            if seen is not None and not np.allclose(raw.base, seen.base, rtol=1e-3, atol=1e-3):
+            if seen is not None and not _same_base(raw.base, seen.base):
                 seen = None  # the same sign pattern, not the same message (e.g. rescaled): judged afresh
-            if seen is not None and seen.flagged and sender not in seen.senders and not st.banned:
+            if (seen is not None and seen.flagged and sender not in seen.senders and version is not None
+                    and version[1] is not None and version == seen.version and _weight(st) == 0
+                    and self._trusted(st)):
                 return self._reproduced(stream, sender, seen, raw, step, version, tok)
             if seen is not None:
                 # A retry: the same microbatch's identical message, re-sent after a drop or a failure elsewhere
@@ -494,8 +519,10 @@ class SentinelMonitor:
         if tok is not None:
             if not verdict.flagged:
                 self._cross_check(stream, sender, raw, digest)
-            stream.judged[(tok, digest)] = _Judged(verdict.flagged, list(verdict.reasons), {sender}, raw.base)
-            stream.by_tok.setdefault(tok, []).append((sender, digest, raw.base, version, verdict.flagged))
+            stream.judged[(tok, digest)] = _Judged(verdict.flagged, list(verdict.reasons), {sender}, raw.base, version)
+            entries = stream.by_tok.setdefault(tok, [])
+            entries.append((sender, digest, raw.base, version, verdict.flagged))
+            del entries[:-8]  # a microbatch is sent to a few replicas at most
             while len(stream.judged) > self.cfg.replay_memory:
                 stream.judged.pop(next(iter(stream.judged)))
             while len(stream.by_tok) > self.cfg.replay_memory:
@@ -508,14 +535,16 @@ class SentinelMonitor:
         retried it there). Replicas holding the same weights compute bit-identical results, so the content is the
         honest computation and the flag was the reference's fault (the model moved faster than it followed): the
         flag is withdrawn for every sender of that content (pending flags dropped, strikes for it removed), the
-        message is accepted and the reference re-anchored on it. Only two colluding replicas could fake this."""
+        message is accepted and the reference re-anchored on it. Only from a sender in good standing (no strikes,
+        CUSUM low) claiming the same, known weights; replay strikes stay. Two colluding identities of one attacker
+        could still fake a reproduction (a known limit: in open runs identities are free)."""
         seen.flagged, seen.reasons = False, []
         seen.senders.add(sender)
         stream.pending = [p for p in stream.pending if p.tok != tok]
         for who in seen.senders:
             other = stream.senders.get(who)
-            if other is not None:
-                other.strikes = deque(x for x in other.strikes if x[4] != tok)
+            if other is not None:  # (a replay strike stays: it was judged on content, not on statistics)
+                other.strikes = deque(x for x in other.strikes if not (x[2] and x[4] == tok))
         stream.by_tok[tok] = [(w, d, b, v, False if w in seen.senders else f)
                               for w, d, b, v, f in stream.by_tok.get(tok, [])]
         raw.t = float(step) if step is not None else float(stream.n)
@@ -535,15 +564,17 @@ class SentinelMonitor:
             return
         for who, other_digest, base, version, flagged in stream.by_tok.get(raw.tok, []):
             if who == sender or not flagged or version != raw.version or (
-                    other_digest == digest and np.allclose(base, raw.base, rtol=1e-3, atol=1e-3)):
+                    other_digest == digest and _same_base(base, raw.base)):
                 continue
             for p in [p for p in stream.pending if p.tok == raw.tok and p.sender == who]:
                 stream.pending.remove(p)
                 other = stream.senders.get(who)
                 if other is not None and who not in self._banned:
-                    # Not a statistical strike: it is not judged against the reference but against a recomputation.
+                    # Statistical all the same (minority cap, live reference): the witness is one sender, and on
+                    # the forward side a sender picks the microbatches it is retried on.
                     self._strike(stream, who, other, [*p.reasons, f"differs from {sender[-8:]}'s result on the same "
-                                                                   f"input and weights"], 0.0, counted=True, tok=p.tok)
+                                                                   f"input and weights"], 0.0, statistical=True,
+                                 counted=True, tok=p.tok)
 
     def _judge(self, stream: _Stream, sender: str, st: _Sender, raw: _Raw, reasons: list[str]) -> Verdict:
         if not stream.ready:
@@ -784,7 +815,10 @@ class SentinelMonitor:
         # below 1: a feature calmer than its estimate keeps the nominal scale), like the per-message threshold.
         # Measured on accepted messages of senders in good standing only, so an attacker cannot widen it.
         dev, peer = None, None
-        if not self._alone(stream, st, raw.version):
+        alone = self._alone(stream, st, raw.version)
+        st.alone_run = st.alone_run + 1 if alone else 0
+        alone = alone and st.alone_run <= cfg.alone_max
+        if not alone:
             # (A sender alone on its weights is not fed to the peer tests: its offset is its weights', not its own
             # doing. Its per-message flags still count, for a third of a strike each.)
             st.ema = (1 - cfg.peer_beta) * zc + (cfg.peer_beta * st.ema if st.ema is not None else 0.0)
@@ -836,9 +870,10 @@ class SentinelMonitor:
             stream.pending.append(_Pending(sender, stream.n, idx, np.sign(z[idx]), np.abs(z[idx]), flag_reasons,
                                            min(len(others), cfg.peer_min_senders - 1), raw.version, raw.tok))
             return Verdict(True, st.banned or sender in self._banned, score, flag_reasons)
-        if self._trusted(st):
-            # Accepted from a sender in good standing: only now may the message enter the reference window (a
-            # sender accumulating evidence could otherwise drag the reference towards itself and hide).
+        if self._trusted(st) and not alone:
+            # Accepted from a sender in good standing, holding its peers' weights: only now may the message enter
+            # the reference window (a sender accumulating evidence could otherwise drag the reference towards
+            # itself and hide, and one on other weights would widen the honest spread).
             stream.window.append(raw)
             stream.accepted_at[sender] = stream.last_accept = stream.n
             stream.z2 = 0.98 * (np.ones_like(zc) if stream.z2 is None else stream.z2) + 0.02 * zc**2
@@ -853,12 +888,14 @@ class SentinelMonitor:
 
     def _settle(self, stream: _Stream, sender: str, z: np.ndarray, version: Optional[tuple] = None,
                 tok: Optional[bytes] = None) -> bool:
-        """Decide the pending flags of other senders with this message's z. A flag this message shares (same
-        features beyond kappa/2, same signs) was a shift of the whole stream: dismissed, and the reference is
-        re-anchored (returns True). A flag that ``need`` other senders' messages did not share, or that waited
-        ``common_recent`` messages, becomes a strike: its sender stood out from its peers at the same time.
-        Only messages of a ``_comparable`` version take part; a flag that none could settle before it expired
-        weighs ``unconfirmed_weight`` of a strike."""
+        """Decide the pending flags of other senders with this message's z. A flag this message shares (beyond
+        kappa/2 with the same sign on the flag's strongest feature and on most of the others) was a shift of the
+        whole stream: dismissed, and the reference is re-anchored (returns True), whatever the two messages'
+        versions. A flag that ``need`` other senders' messages did not share, or that waited ``common_recent``
+        messages, becomes a strike: its sender stood out from its peers at the same time. Not sharing counts only
+        for messages of a ``_comparable`` version; a flag that none could settle before it expired weighs
+        ``unconfirmed_weight`` of a strike (a full one for a sender alone on its weights beyond ``alone_max``).
+        Flags on the same microbatch are left to ``_cross_check`` / ``_reproduced``."""
         cfg = self.cfg
         shared, keep = False, []
         for p in stream.pending:
@@ -884,7 +921,7 @@ class SentinelMonitor:
                     continue
                 st = stream.senders.get(p.sender)
                 if st is not None:
-                    w = 1.0 if p.others else cfg.unconfirmed_weight
+                    w = 1.0 if p.others or st.alone_run > cfg.alone_max else cfg.unconfirmed_weight
                     self._strike(stream, p.sender, st, [*p.reasons, *([] if p.others else ["unconfirmed"])], 0.0,
                                  statistical=True, counted=True, weight=w, tok=p.tok)
                 continue
@@ -909,7 +946,7 @@ class SentinelMonitor:
         recomputation by another replica, a replay, a non-finite value."""
         cfg = self.cfg
         active = [p for p, s in stream.senders.items() if stream.n - s.last_seen <= cfg.peer_active_window]
-        banned = sum(p in self._banned for p in active if p != sender)
+        banned = sum(p in self._stat_banned for p in active if p != sender)
         return banned + 1 <= (len(active) - 1) // 2
 
     def _alone(self, stream: _Stream, st: _Sender, version: Optional[tuple]) -> bool:
@@ -947,7 +984,8 @@ class SentinelMonitor:
         A statistical strike bans only if some *other* sender's message was accepted since the oldest counted
         strike: then the reference was alive and tracking honest traffic while this sender kept failing it.
         Without that, the strikes may all come from a reference the model has outrun (every sender failing it);
-        they wait, and a re-anchoring forgets them.
+        they wait, and a re-anchoring forgets them. Nor does it ban beyond a minority of the active senders
+        (``_minority_after_ban``). ``weight``: the share of a strike this evidence is worth.
         """
         cfg = self.cfg
         if not counted:
@@ -959,10 +997,12 @@ class SentinelMonitor:
         alive = not statistical or max(
             (at for who, at in stream.accepted_at.items() if who != sender), default=-1) >= st.strikes[0][1]
         # A small tolerance: three thirds of a strike are a strike.
-        if hard or (sum(x[3] for x in st.strikes) >= cfg.strikes_to_ban - 1e-9 and alive
+        if hard or (_weight(st) >= cfg.strikes_to_ban - 1e-9 and alive
                     and (not statistical or self._minority_after_ban(stream, sender))):
             st.banned = True
             self._banned.add(sender)
+            if statistical and not hard:
+                self._stat_banned.add(sender)
         return Verdict(True, st.banned or sender in self._banned, score, reasons)
 
     # ------------------------------------------------------------------ replay detection
@@ -992,7 +1032,7 @@ class SentinelMonitor:
         reasons = []
         for other, who, other_tok, other_base in stream.digests:
             if ((digest ^ other).bit_count() <= self.cfg.replay_max_distance and (tok is None or tok != other_tok)
-                    and np.allclose(base, other_base, rtol=1e-3, atol=1e-3)):
+                    and _same_base(base, other_base)):
                 reasons.append(f"replay (matches a message from {who[-8:]} on other tokens)")
                 break
         stream.digests.append((digest, sender, tok, base))

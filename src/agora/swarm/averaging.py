@@ -54,7 +54,7 @@ from agora.compression.powersgd import PowerSGD
 from agora.compression.sparse import SparseAverager, SparseSnapshot
 from agora.swarm import transport
 from agora.swarm.allreduce import CountingCompression, PowerSGDAverager
-from agora.swarm.records import PeerState, StageRecord, read_bans, read_stage
+from agora.swarm.records import PeerState, StageRecord, read_bans, read_stage, read_swarm
 from agora.swarm.transport import RpcError
 
 if TYPE_CHECKING:
@@ -401,7 +401,9 @@ class ReplicaSync:
         if time.monotonic() - self._banned_at > 2.0:
             self._banned_at = time.monotonic()
             try:
-                published = await n.run_io(read_bans, n.dht, n.manifest.run_id, n.manifest.hash)
+                swarm = await n.run_io(read_swarm, n.dht, n.manifest.run_id, n.manifest.n_stages, n.manifest.hash)
+                serving = {r.peer_id for stage in swarm for r in stage if r.state == PeerState.SERVING.value}
+                published = await n.run_io(read_bans, n.dht, n.manifest.run_id, n.manifest.hash, serving)
             except Exception as err:  # keep the previous view; bans only ever grow
                 logger.debug(f"reading bans failed: {err!r}")
                 published = set()

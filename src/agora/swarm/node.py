@@ -59,7 +59,7 @@ from agora.swarm.records import (
 )
 from agora.swarm.routing import BanList, Move, pick_peer_or_fallback, plan_rebalance
 from agora.security.ratelimit import RateLimiter
-from agora.security.sentinel import SentinelConfig, SentinelMonitor
+from agora.security.sentinel import SentinelConfig, SentinelMonitor, version_key
 from agora.swarm.credentials import RunMembers
 from agora.swarm.transport import RpcError, TransferStats
 from agora.wire import WIRE_DTYPES, Boundary, compress, decompress
@@ -162,6 +162,12 @@ class _Pending:
     generation: int = 0  # the node's stage generation: a microbatch of a stage the node left is refused
     fwd_s: float = 0.0  # compute seconds of the forward (throughput counts forward + backward per microbatch)
     weights: Optional[dict] = None  # the stashed parameter snapshot the forward ran on (see StageNode._stashed)
+    version: Optional[list] = None  # ``sent_version`` of the weights the forward ran on (read on the compute thread)
+
+
+def _log_task_error(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning(f"{task.get_name()} failed: {task.exception()!r}")
 
 
 class StageNode:
@@ -558,7 +564,7 @@ class StageNode:
         fwd_s = self._account(t0, tokens.numel(), "forward")
         if self.is_tail and train:
             self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
-        pending = _Pending(tokens, leaf, out, self.step, self.generation, fwd_s, stash)
+        pending = _Pending(tokens, leaf, out, self.step, self.generation, fwd_s, stash, self.sent_version(self.step))
         return pending, loss
 
     def _stashed(self) -> dict:
@@ -633,7 +639,8 @@ class StageNode:
     def sent_version(self, step: int) -> list:
         """The parameter version a message this stage computed at ``step`` came from: [step, fingerprint]. Sent
         with every boundary and gradient, so that SENTINEL compares messages of replicas holding the same weights
-        (the fingerprint is None when it was not computed at that step, e.g. during a state download)."""
+        (the fingerprint is None when it was not computed at that step, e.g. during a state download). Call it on
+        the compute thread, with the computation: the fingerprint changes there too."""
         sync = self.sync
         fp = sync.fingerprint if sync is not None and sync.fingerprint_step == step else None
         return [int(step), fp]
@@ -668,7 +675,7 @@ class StageNode:
                 "score": round(verdict.score, 2) if math.isfinite(verdict.score) else None,
                 "reasons": verdict.reasons[:4]}
         with open(self.opts.sentinel_log, "a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps(line, default=repr) + "\n")  # ``version`` is whatever the peer sent
 
     async def _authorize(self, caller: str) -> None:
         """Refuse callers without a certified record in an allow-listed run; no-op in open runs.
@@ -707,8 +714,8 @@ class StageNode:
             # Recompute for a replica's receiver; nothing here trains on it, so it is not screened either.
             if not self.is_tail:
                 raise self._reject("wrong_stage", "audits are served by the last stage only")
-            grad, step = await self.run_compute(self._recompute_tail, tensors)
-            return {"loss": None, "path": [self.peer_id], "version": self.sent_version(step)}, [grad]
+            grad, version = await self.run_compute(self._recompute_tail, tensors, self.generation)
+            return {"loss": None, "path": [self.peer_id], "version": version}, [grad]
         if not self.is_head and bool(meta.get("train", True)):
             if await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2],
                                   version=meta.get("version")):
@@ -731,11 +738,10 @@ class StageNode:
                 grad_in = await self.run_compute(self._finish_tail, pending) if train else None
                 if train:
                     self.counters.backward += 1
-                return ({"loss": loss, "path": [self.peer_id], "version": self.sent_version(pending.step)},
+                return ({"loss": loss, "path": [self.peer_id], "version": pending.version},
                         [grad_in] if grad_in is not None else [])
             boundary = compress(pending.out.detach(), pending.tokens, self.stage.basis, self.manifest.residual.wire_dtype)
-            down_meta, down_tensors = await self._call_next(meta, boundary, tensors[-1],
-                                                            self.sent_version(pending.step))
+            down_meta, down_tensors = await self._call_next(meta, boundary, tensors[-1], pending.version)
             if not train:
                 return {"loss": down_meta.get("loss"), "path": [self.peer_id, *down_meta.get("path", [])]}, []
             if len(down_tensors) != 1 or tuple(down_tensors[0].shape) != tuple(boundary.coords.shape):
@@ -747,7 +753,7 @@ class StageNode:
             self._queue -= 1
             self.counters.backward += 1
             reply = {"loss": down_meta.get("loss"), "path": [self.peer_id, *down_meta.get("path", [])],
-                     "version": self.sent_version(pending.step)}
+                     "version": pending.version}
             return reply, ([grad_in] if grad_in is not None else [])
         except RpcError:
             self.counters.failed += 1
@@ -805,13 +811,15 @@ class StageNode:
         if self._audit is not None and not self._audit.done():
             return
         self._audit = asyncio.create_task(self._run_audit(sender, meta, tensors, grad, version), name="audit")
+        self._audit.add_done_callback(_log_task_error)
 
     async def _run_audit(self, sender: str, meta: dict, tensors: list, grad: torch.Tensor, version) -> None:
         """Ask a tail replica at the sender's step for the same gradient (``audit``: computed, not trained on); if
         it differs, ask a second one, then let SENTINEL judge (``recomputed``)."""
         banned = self.banned_peers()
+        claimed = version_key(version)
         others = [r for r in self.next_records if r.peer_id != sender and r.peer_id not in banned
-                  and r.state == PeerState.SERVING.value and isinstance(version, list) and r.step == version[0]]
+                  and r.state == PeerState.SERVING.value and (claimed is None or r.step == claimed[0])]
         random.shuffle(others)
         results: list = []
         for rec in others[:2]:
@@ -822,7 +830,7 @@ class StageNode:
             except RpcError as err:
                 logger.debug(f"audit on {rec.peer_id[-8:]} failed: {err}")
                 continue
-            if len(out) != 1:
+            if len(out) != 1 or tuple(out[0].shape) != tuple(grad.shape):
                 continue
             results.append((rec.peer_id, out[0], reply.get("version")))
             if self.sentinel.same_message(grad, out[0]):
@@ -838,16 +846,17 @@ class StageNode:
             logger.warning(f"SENTINEL audit: {sender[-8:]}'s gradient is not what its weights compute: "
                            f"{verdict.reasons[:1]}{' (banned)' if verdict.banned else ''}")
 
-    def _recompute_tail(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def _recompute_tail(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
         """An audit request: the gradient this tail returns for ``tensors``, without training on it (no parameter
-        gradients, samples or throughput counted), and the step of the weights used. The same computation as
+        gradients, samples or throughput counted), and the version of the weights used. The same computation as
         ``_forward`` + ``_finish_tail``, so that an honest tail at the same version reproduces it bit for bit."""
+        self._check_generation(generation)
         tokens, last = tensors[-2].long(), tensors[-1].long()
         with torch.enable_grad():
             leaf, out = self._forward_from(tensors[0], tokens)
             targets = torch.cat([tokens[:, 1:], last[:, None]], dim=1)
             (grad,) = torch.autograd.grad(self.stage.loss(out, targets) * tokens.shape[0], leaf)
-        return grad.to(self._wire_dtype), self.step
+        return grad.to(self._wire_dtype), self.sent_version(self.step)
 
     async def _wait_for_next_peer(self, tried: list[str]) -> Optional[StageRecord]:
         """A next-stage peer for this attempt: untried and unbanned if possible, else the best of the rest (the

@@ -148,21 +148,28 @@ def read_swarm(dht: DHT, run_id: str, n_stages: int, manifest_hash: str) -> list
 
 
 # Distinct publishers whose SENTINEL banned a peer before the rest of the swarm (trainers, averaging groups) drops
-# it. One publisher is not enough: a malicious peer could otherwise publish bans of every honest peer, and an honest
-# receiver's mistaken ban would exclude a peer everywhere. The publisher's own bans always apply to itself.
+# it. One publisher is not enough: one receiver's mistaken ban would exclude a peer everywhere, and a lone malicious
+# peer could publish bans of every honest peer. Readers count only publishers that serve a stage of the run (and,
+# in allow-listed runs, only certified ones write records at all); in an open run one person with two serving
+# peers still meets the quorum. The publisher's own bans always apply to itself.
 BAN_QUORUM = 2
 
 
-def read_bans(dht: DHT, run_id: str, manifest_hash: str, quorum: int = BAN_QUORUM) -> set[str]:
-    """Peers that at least ``quorum`` other peers of the run have banned for corrupted messages (a publisher's ban
-    of itself is ignored). Used to keep banned peers out of routing and averaging groups."""
-    return quorate_bans(read_subkeys(dht, bans_key(run_id)), manifest_hash, quorum)
+def read_bans(dht: DHT, run_id: str, manifest_hash: str, publishers: Optional[set] = None,
+              quorum: int = BAN_QUORUM) -> set[str]:
+    """Peers that at least ``quorum`` other peers of the run (among ``publishers``, e.g. the serving peers, when
+    given) have banned for corrupted messages. Used to keep banned peers out of routing and averaging groups."""
+    return quorate_bans(read_subkeys(dht, bans_key(run_id)), manifest_hash, publishers, quorum)
 
 
-def quorate_bans(published: dict, manifest_hash: str, quorum: int = BAN_QUORUM) -> set[str]:
-    """``published``: publisher peer id -> its bans record. The peers banned by >= ``quorum`` distinct publishers."""
+def quorate_bans(published: dict, manifest_hash: str, publishers: Optional[set] = None,
+                 quorum: int = BAN_QUORUM) -> set[str]:
+    """``published``: publisher peer id -> its bans record. The peers banned by >= ``quorum`` distinct publishers
+    (only those in ``publishers`` when given; a publisher's ban of itself does not count)."""
     votes: dict[str, set[str]] = {}
     for publisher, value in published.items():
+        if publishers is not None and publisher not in publishers:
+            continue
         if isinstance(value, dict) and value.get("manifest_hash") == manifest_hash:
             for p in value.get("banned", []):
                 if str(p) != publisher:

@@ -106,7 +106,8 @@ class Trainer:
         swarm = await self.run_io(read_swarm, self.dht, m.run_id, m.n_stages, m.hash)
         try:
             # Heads that the next stage banned for corrupted activations are not sent our data any more.
-            self.banned |= await self.run_io(read_bans, self.dht, m.run_id, m.hash)
+            serving = {r.peer_id for stage in swarm for r in stage if r.state == "serving"}
+            self.banned |= await self.run_io(read_bans, self.dht, m.run_id, m.hash, serving)
         except Exception as err:
             logger.debug(f"reading bans failed: {err!r}")
         self.swarm = [[r for r in stage if r.peer_id not in self.banned] for stage in swarm]
