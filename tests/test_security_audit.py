@@ -34,8 +34,8 @@ def test_a_tail_adding_faint_noise_is_banned_by_audits_and_honest_tails_are_not(
                                        dtype=torch.int32)
                 last = torch.randint(0, MAN.model.vocab_size, (4,), generator=gen, dtype=torch.int32)
                 await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, meta, [tokens, last], timeout=60)
-                if head._audit is not None:
-                    await asyncio.wait_for(asyncio.shield(head._audit), 60)
+                if head._audits:
+                    await asyncio.wait_for(asyncio.gather(*head._audits), 60)
                 if head.sentinel.banned(attacker.peer_id):
                     break
             served = {n.peer_id[-8:]: n.counters.forward for n in nodes[1:]}

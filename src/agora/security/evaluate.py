@@ -31,11 +31,8 @@ from torch import Tensor
 from agora.config import Manifest, load_manifest
 from agora.model import Stage
 from agora.security.attacks import AttackState, apply_attack
-from agora.security.sentinel import SentinelConfig, SentinelMonitor
+from agora.security.sentinel import AUDIT_RATE, SentinelConfig, SentinelMonitor, node_config
 from agora.wire import Boundary, decompress
-
-# Share of accepted messages a receiver has recomputed by another replica (the ``StageNode`` default).
-AUDIT_RATE = 0.1
 
 # (weak, moderate) strengths per kind; the tests use the moderate ones.
 EVAL_STRENGTHS: dict[str, tuple[float, float]] = {
@@ -211,6 +208,16 @@ class StreamResult:
         return 2 * p * r / (p + r) if p + r else 0.0
 
 
+def simulated_audit(monitor: SentinelMonitor, sender: str, direction: str, msg: Tensor, honest: Tensor,
+                    version: tuple) -> None:
+    """An audit answered by honest replicas holding the sender's weights, as a node runs it: one recomputes, and a
+    second one too when the first disagrees with the message."""
+    again = [("auditor-1", honest, version)]
+    if not monitor.same_message(msg, honest):
+        again.append(("auditor-2", honest.clone(), version))
+    monitor.recomputed(sender, 0, direction, msg, version, again)
+
+
 class _StreamTally:
     """What one evaluated stream counts, message by message: corrupt messages sent, flags on corrupt (tp/fn) and
     clean (fp/tn) ones, the attacker's detection delay, honest flag rate, the first reasons given."""
@@ -247,16 +254,11 @@ class _StreamTally:
         # Every sender of a round/step holds that step's weights (replicas average), so all claim one version.
         v = self.monitor.observe(who, 0, self.direction, msg, step=step, tokens=tokens,
                                  paired=coords if self.direction == "bwd" else None, version=(step, 0.0))
-        if not v.flagged and self.audit_rate and self.audit_rng.random() < self.audit_rate:
-            # The receiver has another replica (same weights) recompute this accepted message (``StageNode``).
+        if self.direction == "bwd" and self.audit_rate and (v.flagged or self.audit_rng.random() < self.audit_rate):
+            # As a node does for gradients (``StageNode._start_audit``): another tail with the same weights
+            # recomputes every flagged gradient and ``audit_rate`` of the accepted ones.
             self.audits += 1
-            # Two honest replicas recompute it when the first disagrees (the node asks a second one then).
-            first = [("auditor-1", self.honest, (step, 0.0))]
-            if self.monitor.same_message(msg, self.honest):
-                self.monitor.recomputed(who, 0, self.direction, msg, (step, 0.0), first)
-            else:
-                self.monitor.recomputed(who, 0, self.direction, msg, (step, 0.0),
-                                        first + [("auditor-2", self.honest.clone(), (step, 0.0))])
+            simulated_audit(self.monitor, who, self.direction, msg, self.honest, (step, 0.0))
         if self.delay is None and self.corrupted and self.monitor.banned("attacker"):
             self.delay = self.corrupted  # possibly banned while re-scoring warm-up, on another sender's message
         if bad:
@@ -288,7 +290,7 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
     """One interleaved stream through a fresh monitor. ``kind=None``: a clean stream of ``n_honest + 1`` honest
     senders (the third plays the attacker's seat but behaves)."""
     rng = random.Random(seed)
-    monitor = SentinelMonitor(config or SentinelConfig())
+    monitor = SentinelMonitor(node_config(config))
     senders = [f"honest-{i}" for i in range(n_honest)] + ["attacker"]
     S = pool.fwd.shape[0]
     order = list(range(S))
@@ -319,7 +321,7 @@ def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = No
     if senders > trace.fwd.shape[1]:
         raise ValueError(f"the trace has {trace.fwd.shape[1]} senders, {senders} requested")
     rng = random.Random(seed)
-    monitor = SentinelMonitor(config or SentinelConfig())
+    monitor = SentinelMonitor(node_config(config))
     names = [f"honest-{i}" for i in range(senders - 1)] + ["attacker"]
     start = trace.steps // 3 if attack_start is None else attack_start
     tally = _StreamTally(monitor, kind, direction, strength, seed, clean_reasons=True)

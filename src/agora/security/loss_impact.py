@@ -5,8 +5,8 @@ different: *does the model end up as good as without the attacker?* Here the two
 preset train for real (the manifest's optimizer, schedule and clipping, as a stage node runs them), each step on
 one microbatch per replica seat; the last seat is an attacker that corrupts what it sends once the attack starts
 (its forward activations for ``fwd``, the activation gradients it returns for ``bwd``). Every message crosses the
-boundary through a ``SentinelMonitor`` at its receiver, as in a node (without the node's audits: this measures
-what the statistics alone let through):
+boundary through a ``SentinelMonitor`` at its receiver, set up as a node's (``node_config``: gradients are audited,
+every flagged one and ``AUDIT_RATE`` of the others, by an honest replica's recomputation):
 
 * a flagged message is dropped and the receiver retries the microbatch on another replica of the sender's stage,
   which computes the honest message (replicas share the step's weights); that is what the swarm does;
@@ -21,6 +21,7 @@ compare directly.
 from __future__ import annotations
 
 import math
+import random
 from typing import Optional
 
 import torch
@@ -28,8 +29,8 @@ import torch
 from agora.config import Manifest, load_manifest
 from agora.optim import build_optimizer, set_lr
 from agora.security.attacks import AttackState, apply_attack
-from agora.security.evaluate import _two_stages, synthetic_batch
-from agora.security.sentinel import SentinelConfig, SentinelMonitor
+from agora.security.evaluate import _two_stages, simulated_audit, synthetic_batch
+from agora.security.sentinel import AUDIT_RATE, SentinelConfig, SentinelMonitor, node_config
 from agora.wire import Boundary, decompress
 
 
@@ -49,18 +50,23 @@ def train_under_attack(manifest: "Manifest | str" = "tiny", kind: Optional[str] 
     val_gen = torch.Generator().manual_seed(seed + 10_007)
     val = [synthetic_batch(val_gen, V, B, T, table, probs) for _ in range(val_batches)]
     opts = [build_optimizer(head, m.optimizer), build_optimizer(tail, m.optimizer)]
-    monitor = SentinelMonitor(config or SentinelConfig(seed=m.seed)) if defend else None
+    monitor = SentinelMonitor(node_config(config or SentinelConfig(seed=m.seed))) if defend else None
+    audit_rng = random.Random(seed + 2)
     names = [f"honest-{i}" for i in range(senders - 1)] + ["attacker"]
     start = steps // 3 if attack_start is None else attack_start
     rng, state = torch.Generator().manual_seed(seed + 1), AttackState()
     used_corrupt = flagged_corrupt = flagged_honest = 0
     banned_at: Optional[int] = None
 
-    def judge(who: str, msg: torch.Tensor, step: int, tokens: torch.Tensor, paired=None) -> bool:
-        """True when the receiver drops ``msg`` (and retries the microbatch elsewhere)."""
+    def judge(who: str, msg: torch.Tensor, step: int, tokens: torch.Tensor, paired=None, honest=None) -> bool:
+        """True when the receiver drops ``msg`` (and retries the microbatch elsewhere). ``honest``: for gradients,
+        what another tail recomputes when the message is audited."""
         if monitor is None:
             return False
-        v = monitor.observe(who, 0, direction, msg, step=step, tokens=tokens, paired=paired, version=(step, 0.0))
+        version = (step, 0.0)
+        v = monitor.observe(who, 0, direction, msg, step=step, tokens=tokens, paired=paired, version=version)
+        if honest is not None and (v.flagged or audit_rng.random() < AUDIT_RATE):
+            simulated_audit(monitor, who, direction, msg, honest, version)
         return v.flagged
 
     for step in range(steps):
@@ -93,7 +99,7 @@ def train_under_attack(manifest: "Manifest | str" = "tiny", kind: Optional[str] 
             if direction == "bwd":
                 if attacking:
                     bad = apply_attack(kind, strength, grad, rng, state)
-                    if judge(who, bad, step, tok.int(), paired=sent):
+                    if judge(who, bad, step, tok.int(), paired=sent, honest=grad):
                         flagged_corrupt += 1  # retried on an honest tail: its gradient is used
                     else:
                         used_corrupt += 1
@@ -101,7 +107,7 @@ def train_under_attack(manifest: "Manifest | str" = "tiny", kind: Optional[str] 
                 else:
                     if attacker:
                         state.remember(grad)
-                    if judge(who, grad, step, tok.int(), paired=sent):
+                    if judge(who, grad, step, tok.int(), paired=sent, honest=grad):
                         flagged_honest += 1
             coords.backward(grad / senders)
         if monitor is not None and banned_at is None and monitor.banned("attacker"):

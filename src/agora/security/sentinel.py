@@ -111,7 +111,7 @@ import math
 import threading
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional, Sequence
 
 import numpy as np
@@ -139,7 +139,8 @@ class SentinelConfig:
     max_threshold_scale: float = 2.0  # ... times the feature's measured honest z sd, capped at this
     cusum_k: float = 1.0  # CUSUM slack, in sigmas
     cusum_h: float = 15.0  # CUSUM alarm level
-    cusum_strikes: int = 3  # a confirmed alarm is accumulated evidence: by default it bans on its own
+    cusum_strikes: int = 2  # a confirmed alarm is accumulated evidence: two strikes (live, an honest head sent a run
+    # of four odd microbatches, one document's worth, and a CUSUM alarm worth a ban nearly banned it)
     cusum_peer_min: float = 3.0  # ... confirmed = the sender's EMA is this many sds off the peer median, same side
     trust_cusum: float = 8.0  # a sender whose CUSUM exceeds this does not enter the reference window
     peer_beta: float = 0.95  # per-sender EMA decay of z for the peer-relative test
@@ -157,6 +158,10 @@ class SentinelConfig:
     n_projections: int = 4
     sigma_floor: float = 1e-3  # features are scale-free; a constant honest feature still gets a finite sigma
     nonfinite_bans: bool = True  # NaN/Inf bans at once (it is never an honest statistical fluctuation)
+    # Directions whose statistical strikes may ban. A receiver that audits a direction (has every flagged message
+    # recomputed, ``recomputed``) leaves it out: there statistics only pick suspects and recomputation convicts,
+    # which removes the honest bans that drifting gradient statistics caused live.
+    statistical_ban_directions: tuple = ("fwd", "bwd")
     audit_tolerance: float = 1e-3  # relative L2 difference between a message and its recomputation that is rounding
     # A failed audit weighs this much of a strike: two ban. Not one: a replica repairing its state at the same step
     # can send a message of its old weights under its new fingerprint, once.
@@ -165,6 +170,19 @@ class SentinelConfig:
     replay_max_distance: int = 2  # Hamming distance (of replay_bits) that counts as the same message
     replay_memory: int = 1024  # recent digests kept per (boundary, direction)
     replay_sample: int = 2048  # entries of the message hashed
+
+
+# Share of accepted gradients a node has another tail recompute (``NodeOptions.audit_rate``; flagged ones always).
+AUDIT_RATE = 0.1
+
+
+def node_config(config: Optional[SentinelConfig] = None, audit_rate: float = AUDIT_RATE) -> SentinelConfig:
+    """A node's monitor settings: with gradient audits, gradient statistics pick suspects and audits convict."""
+    config = config or SentinelConfig()
+    if audit_rate > 0:
+        config = replace(config, statistical_ban_directions=tuple(
+            d for d in config.statistical_ban_directions if d != "bwd"))
+    return config
 
 
 @dataclass
@@ -213,6 +231,7 @@ class _Sender:
 
 @dataclass
 class _Stream:
+    direction: str = "fwd"
     warm: list = field(default_factory=list)  # [(sender, _Raw)] until ready
     ready: bool = False
     n: int = 0
@@ -479,7 +498,7 @@ class SentinelMonitor:
         stream = self._streams.get((boundary, direction))
         if stream is None:
             stream = self._streams[(boundary, direction)] = _Stream(
-                window=deque(maxlen=self.cfg.window), recent=deque(maxlen=self.cfg.centre))
+                direction, window=deque(maxlen=self.cfg.window), recent=deque(maxlen=self.cfg.centre))
         return stream
 
     def _observe(self, sender, boundary, direction, tensor, tokens, paired, step=None, version=None) -> Verdict:
@@ -998,7 +1017,8 @@ class SentinelMonitor:
             (at for who, at in stream.accepted_at.items() if who != sender), default=-1) >= st.strikes[0][1]
         # A small tolerance: three thirds of a strike are a strike.
         if hard or (_weight(st) >= cfg.strikes_to_ban - 1e-9 and alive
-                    and (not statistical or self._minority_after_ban(stream, sender))):
+                    and (not statistical or (stream.direction in cfg.statistical_ban_directions
+                                             and self._minority_after_ban(stream, sender)))):
             st.banned = True
             self._banned.add(sender)
             if statistical and not hard:

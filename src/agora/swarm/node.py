@@ -59,7 +59,7 @@ from agora.swarm.records import (
 )
 from agora.swarm.routing import BanList, Move, pick_peer_or_fallback, plan_rebalance
 from agora.security.ratelimit import RateLimiter
-from agora.security.sentinel import SentinelConfig, SentinelMonitor, version_key
+from agora.security.sentinel import AUDIT_RATE, SentinelConfig, SentinelMonitor, node_config, version_key
 from agora.swarm.credentials import RunMembers
 from agora.swarm.transport import RpcError, TransferStats
 from agora.wire import WIRE_DTYPES, Boundary, compress, decompress
@@ -92,6 +92,7 @@ BANNABLE = {
 }
 
 
+MAX_AUDITS = 3  # SENTINEL audits in flight at once (each costs a tail forward and backward or two)
 MOVE_LOCK_TTL_S = 90.0  # a mover that dies mid-move blocks other moves at most this long
 
 
@@ -111,7 +112,7 @@ class NodeOptions:
     # With SENTINEL: the share of accepted gradients from the last stage that another tail replica with the same
     # weights recomputes (``SentinelMonitor.recomputed``): catches corruption no statistic sees, for this much extra
     # tail compute. Audits of middle stages would need their downstream chain: not done.
-    audit_rate: float = 0.1
+    audit_rate: float = AUDIT_RATE
     rate_limit_per_s: float = 200.0  # fwd_bwd calls per second per caller (burst = 2x)
     hop_timeout_s: float = 30.0  # one stage's compute + its downstream chain, scaled by the stages left
     max_retries: int = 3
@@ -202,7 +203,7 @@ class StageNode:
         self._queue = 0
         self._p2p = None
         self._tasks: list[asyncio.Task] = []
-        self._audit: Optional[asyncio.Task] = None  # the SENTINEL audit in flight, if any (see _start_audit)
+        self._audits: set[asyncio.Task] = set()  # SENTINEL audits in flight (see _start_audit)
         self._sync_task: Optional[asyncio.Task] = None
         self._syncs: list = []  # every ReplicaSync this node created: all are shut down on stop
         self._serving_since = time.monotonic()
@@ -223,7 +224,8 @@ class StageNode:
         self._stash_weights: Optional[dict] = None
         # SENTINEL: statistics of what each upstream sender (activations) and downstream peer (gradients) sends us;
         # corrupted senders are banned: their messages dropped, routing avoids them, the ban is published.
-        self.sentinel = SentinelMonitor(SentinelConfig(seed=manifest.seed)) if self.opts.sentinel else None
+        self.sentinel = (SentinelMonitor(node_config(SentinelConfig(seed=manifest.seed), self.opts.audit_rate))
+                         if self.opts.sentinel else None)
         self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
         # Allow-listed runs: only callers holding a certified record of the run are served (see credentials.py).
         self.members = RunMembers(manifest) if manifest.security.allow_list else None
@@ -296,7 +298,7 @@ class StageNode:
         except Exception as err:  # the DHT may already be gone; leaving must still finish
             logger.warning(f"could not announce leaving: {err!r}")
         await self._drain()
-        tasks = [*self._tasks, *(t for t in (self._sync_task, self._audit) if t is not None)]
+        tasks = [*self._tasks, *self._audits, *([self._sync_task] if self._sync_task else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -788,6 +790,9 @@ class StageNode:
                     tried.append(peer.peer_id)
                     self.counters.retried += 1
                     logger.warning(f"gradient from stage {nxt} peer {peer.peer_id[-8:]} flagged; trying another replica")
+                    if nxt == self.manifest.n_stages - 1 and self.opts.audit_rate > 0:
+                        self._start_audit(peer.peer_id, down_meta, tensors, grads[0], reply[0].get("version"),
+                                          flagged=True)
                     continue
                 self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
                 if (self.sentinel is not None and meta.get("train", True) and len(grads) == 1
@@ -805,13 +810,17 @@ class StageNode:
                 logger.warning(f"stage {nxt} peer {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
         raise RpcError("retries_exhausted", f"stage {nxt}: {self.opts.max_retries} retries failed; last: {last_error}")
 
-    def _start_audit(self, sender: str, meta: dict, tensors: list, grad: torch.Tensor, version) -> None:
-        """Recompute ``sender``'s gradient on other tails in the background, one audit at a time (an audit is
-        evidence, not a deadline: skipping one when busy costs nothing)."""
-        if self._audit is not None and not self._audit.done():
+    def _start_audit(self, sender: str, meta: dict, tensors: list, grad: torch.Tensor, version,
+                     flagged: bool = False) -> None:
+        """Recompute ``sender``'s gradient on other tails in the background: a random accepted one when no audit
+        runs (evidence, not a deadline: skipping one when busy costs nothing), a flagged one (statistics only
+        name suspects for gradients; this convicts or clears) when fewer than ``MAX_AUDITS`` run."""
+        self._audits = {t for t in self._audits if not t.done()}
+        if len(self._audits) >= (MAX_AUDITS if flagged else 1):
             return
-        self._audit = asyncio.create_task(self._run_audit(sender, meta, tensors, grad, version), name="audit")
-        self._audit.add_done_callback(_log_task_error)
+        task = asyncio.create_task(self._run_audit(sender, meta, tensors, grad, version), name="audit")
+        task.add_done_callback(_log_task_error)
+        self._audits.add(task)
 
     async def _run_audit(self, sender: str, meta: dict, tensors: list, grad: torch.Tensor, version) -> None:
         """Ask a tail replica at the sender's step for the same gradient (``audit``: computed, not trained on); if
