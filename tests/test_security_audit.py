@@ -47,3 +47,33 @@ def test_a_tail_adding_faint_noise_is_banned_by_audits_and_honest_tails_are_not(
     assert not banned & honest, summary
     struck = summary["0/bwd"]["senders"][attacker]["struck"]
     assert any("recomputed by" in r for r in struck), struck
+
+
+def test_a_head_adding_faint_noise_to_its_activations_is_banned_by_the_tails_audits():
+    """The same for activations: the tail (stage 1) has another head recompute the boundary of the same tokens
+    (a head needs nothing else), and two agreeing heads convict the noisy one."""
+
+    async def main():
+        opts = NodeOptions(stall_step_s=1e9, sentinel=True, audit_rate=1.0)
+        async with local_swarm(MAN, [1, 0, 0, 0], opts) as (boot, peers, nodes):
+            tail, heads, attacker = nodes[0], nodes[1:], nodes[3]
+            install_attack(attacker, "gaussian:0.1@fwd")
+            p2p = await boot.replicate_p2p()
+            meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 0, "train": True}
+            gen = torch.Generator().manual_seed(1)
+            for i in range(30):
+                tokens = torch.randint(0, MAN.model.vocab_size, (4, MAN.model.seq_len), generator=gen,
+                                       dtype=torch.int32)
+                last = torch.randint(0, MAN.model.vocab_size, (4,), generator=gen, dtype=torch.int32)
+                head = heads[i % 3]
+                await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, meta, [tokens, last], timeout=60)
+                if tail._audits:
+                    await asyncio.wait_for(asyncio.gather(*tail._audits), 60)
+                if tail.sentinel.banned(attacker.peer_id):
+                    break
+            return tail.sentinel.banned_peers(), attacker.peer_id, {h.peer_id for h in heads[:2]}, tail.sentinel.summary()
+
+    banned, attacker, honest, summary = asyncio.run(main())
+    assert attacker in banned, summary
+    assert not banned & honest, summary
+    assert any("recomputed by" in r for r in summary["0/fwd"]["senders"][attacker]["struck"]), summary

@@ -254,9 +254,9 @@ class _StreamTally:
         # Every sender of a round/step holds that step's weights (replicas average), so all claim one version.
         v = self.monitor.observe(who, 0, self.direction, msg, step=step, tokens=tokens,
                                  paired=coords if self.direction == "bwd" else None, version=(step, 0.0))
-        if self.direction == "bwd" and self.audit_rate and (v.flagged or self.audit_rng.random() < self.audit_rate):
-            # As a node does for gradients (``StageNode._start_audit``): another tail with the same weights
-            # recomputes every flagged gradient and ``audit_rate`` of the accepted ones.
+        if self.audit_rate and (v.flagged or self.audit_rng.random() < self.audit_rate):
+            # As a node next to the first or last stage does (``StageNode._start_audit``): another replica with the
+            # same weights recomputes every flagged message and ``audit_rate`` of the accepted ones.
             self.audits += 1
             simulated_audit(self.monitor, who, self.direction, msg, self.honest, (step, 0.0))
         if self.delay is None and self.corrupted and self.monitor.banned("attacker"):
@@ -286,17 +286,18 @@ class _StreamTally:
 
 def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, strength: float = 0.0,
                config: Optional[SentinelConfig] = None, rounds: int = 60, attack_start: int = 20,
-               seed: int = 0, n_honest: int = 2) -> StreamResult:
+               seed: int = 0, n_honest: int = 2, audit_rate: float = AUDIT_RATE) -> StreamResult:
     """One interleaved stream through a fresh monitor. ``kind=None``: a clean stream of ``n_honest + 1`` honest
-    senders (the third plays the attacker's seat but behaves)."""
+    senders (the third plays the attacker's seat but behaves). ``audit_rate``: audits as a node next to the first
+    or last stage runs them (0: statistics only, as for a middle stage's messages)."""
     rng = random.Random(seed)
-    monitor = SentinelMonitor(node_config(config))
+    monitor = SentinelMonitor(node_config(config, ("fwd", "bwd") if audit_rate > 0 else ()))
     senders = [f"honest-{i}" for i in range(n_honest)] + ["attacker"]
     S = pool.fwd.shape[0]
     order = list(range(S))
     rng.shuffle(order)
     shares = {s: order[i::len(senders)] for i, s in enumerate(senders)}
-    tally = _StreamTally(monitor, kind, direction, strength, seed)
+    tally = _StreamTally(monitor, kind, direction, strength, seed, audit_rate=audit_rate)
     for r in range(rounds):
         rng.shuffle(senders)
         for who in senders:
@@ -311,7 +312,7 @@ def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, str
 
 def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = None, strength: float = 0.0,
                      config: Optional[SentinelConfig] = None, attack_start: Optional[int] = None, seed: int = 0,
-                     senders: int = 3, messages_per_step: int = 1) -> StreamResult:
+                     senders: int = 3, messages_per_step: int = 1, audit_rate: float = AUDIT_RATE) -> StreamResult:
     """A stream through a fresh monitor while the model trains: at each optimizer step of ``trace``,
     ``messages_per_step`` of the ``senders`` (taken in turns, shuffled per cycle) each send their message of that
     step. On ``tiny`` a swarm step is two microbatches, so a receiver sees about one message per step: every
@@ -321,10 +322,10 @@ def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = No
     if senders > trace.fwd.shape[1]:
         raise ValueError(f"the trace has {trace.fwd.shape[1]} senders, {senders} requested")
     rng = random.Random(seed)
-    monitor = SentinelMonitor(node_config(config))
+    monitor = SentinelMonitor(node_config(config, ("fwd", "bwd") if audit_rate > 0 else ()))
     names = [f"honest-{i}" for i in range(senders - 1)] + ["attacker"]
     start = trace.steps // 3 if attack_start is None else attack_start
-    tally = _StreamTally(monitor, kind, direction, strength, seed, clean_reasons=True)
+    tally = _StreamTally(monitor, kind, direction, strength, seed, clean_reasons=True, audit_rate=audit_rate)
     turn: list[int] = []
     for step in range(trace.steps):
         for _ in range(messages_per_step):
@@ -372,32 +373,37 @@ def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, 
     pool = pool or make_pool(manifest, seed=seed, train_steps=train_steps)
     t_pool = time.perf_counter() - t0
     strengths = strengths or EVAL_STRENGTHS
-    rows = []
-    for kind, values in strengths.items():
-        for strength in values:
-            for direction in ("fwd", "bwd"):
-                rows.append(_attack_row(run_stream(pool, direction, kind, strength, config, rounds,
-                                                   attack_start, seed), "static"))
-    clean = []
-    for direction in ("fwd", "bwd"):
-        res = run_stream(pool, direction, None, 0.0, config, clean_rounds, clean_rounds, seed + 1)
-        clean.append(_clean_row(res, "static", 3, None))
+    rows, clean = [], []
     drift: dict = {}
     if drift_steps or trace is not None:
         t1 = time.perf_counter()
         trace = trace or make_drift_trace(manifest, steps=drift_steps, seed=seed)
         drift = {"steps": trace.steps, "loss_first": trace.losses[0], "loss_last": trace.losses[-1],
                  "trace_seconds": time.perf_counter() - t1}
+    # Each setting twice: with audits, as for messages from the first or last stage (every two-stage pipeline),
+    # and on statistics alone, as for a middle stage's messages (nobody can recompute those).
+    for audit_rate, suffix in ((AUDIT_RATE, ""), (0.0, ", statistics only")):
         for kind, values in strengths.items():
             for strength in values:
                 for direction in ("fwd", "bwd"):
-                    rows.append(_attack_row(run_drift_stream(trace, direction, kind, strength, config,
-                                                             seed=seed), "drift"))
+                    rows.append(_attack_row(run_stream(pool, direction, kind, strength, config, rounds,
+                                                       attack_start, seed, audit_rate=audit_rate), "static" + suffix))
+        for direction in ("fwd", "bwd"):
+            res = run_stream(pool, direction, None, 0.0, config, clean_rounds, clean_rounds, seed + 1,
+                             audit_rate=audit_rate)
+            clean.append(_clean_row(res, "static" + suffix, 3, None))
+        if trace is None:
+            continue
+        for kind, values in strengths.items():
+            for strength in values:
+                for direction in ("fwd", "bwd"):
+                    rows.append(_attack_row(run_drift_stream(trace, direction, kind, strength, config, seed=seed,
+                                                             audit_rate=audit_rate), "drift" + suffix))
         for senders, per_step in DRIFT_CLEAN:
             for direction in ("fwd", "bwd"):
                 res = run_drift_stream(trace, direction, None, 0.0, config, seed=seed + 1, senders=senders,
-                                       messages_per_step=per_step)
-                clean.append(_clean_row(res, "drift", senders, per_step))
+                                       messages_per_step=per_step, audit_rate=audit_rate)
+                clean.append(_clean_row(res, "drift" + suffix, senders, per_step))
     # Sender level, over every stream: an attacker banned is a true positive, an honest sender banned a false one.
     senders_by = {}
     for setting in sorted({r["setting"] for r in rows}) + ["all"]:

@@ -5,8 +5,9 @@ different: *does the model end up as good as without the attacker?* Here the two
 preset train for real (the manifest's optimizer, schedule and clipping, as a stage node runs them), each step on
 one microbatch per replica seat; the last seat is an attacker that corrupts what it sends once the attack starts
 (its forward activations for ``fwd``, the activation gradients it returns for ``bwd``). Every message crosses the
-boundary through a ``SentinelMonitor`` at its receiver, set up as a node's (``node_config``: gradients are audited,
-every flagged one and ``AUDIT_RATE`` of the others, by an honest replica's recomputation):
+boundary through a ``SentinelMonitor`` at its receiver, set up as a node's next to the first or last stage
+(``node_config``: every flagged message and ``AUDIT_RATE`` of the others are audited, i.e. recomputed by honest
+replicas):
 
 * a flagged message is dropped and the receiver retries the microbatch on another replica of the sender's stage,
   which computes the honest message (replicas share the step's weights); that is what the swarm does;
@@ -82,14 +83,15 @@ def train_under_attack(manifest: "Manifest | str" = "tiny", kind: Optional[str] 
             if direction == "fwd" and attacker:
                 if attacking:
                     bad = apply_attack(kind, strength, sent, rng, state)
-                    if judge(who, bad, step, tok.int()):
+                    if judge(who, bad, step, tok.int(), honest=sent):
                         flagged_corrupt += 1  # retried on an honest head: the honest coordinates are used
                     else:
                         used_corrupt += 1
                         sent = bad
                 else:
                     state.remember(sent)
-            if direction == "fwd" and (not attacker or not attacking) and judge(who, sent, step, tok.int()):
+            if direction == "fwd" and (not attacker or not attacking) and judge(who, sent, step, tok.int(),
+                                                                                honest=sent):
                 flagged_honest += 1  # retried on another head, which computes the same coordinates
             leaf = sent.clone().requires_grad_(True)
             x = decompress(Boundary(leaf, tok.int(), "subspace"), tail.basis, tail.frozen_embed)

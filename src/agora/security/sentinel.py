@@ -172,17 +172,17 @@ class SentinelConfig:
     replay_sample: int = 2048  # entries of the message hashed
 
 
-# Share of accepted gradients a node has another tail recompute (``NodeOptions.audit_rate``; flagged ones always).
+# Share of accepted messages a node has other replicas recompute where it can (``NodeOptions.audit_rate``;
+# flagged ones always): gradients from the last stage, activations from the first.
 AUDIT_RATE = 0.1
 
 
-def node_config(config: Optional[SentinelConfig] = None, audit_rate: float = AUDIT_RATE) -> SentinelConfig:
-    """A node's monitor settings: with gradient audits, gradient statistics pick suspects and audits convict."""
+def node_config(config: Optional[SentinelConfig] = None, audited: Sequence[str] = ("fwd", "bwd")) -> SentinelConfig:
+    """A node's monitor settings: in the directions it audits (has messages recomputed by other replicas),
+    statistics pick suspects and audits convict."""
     config = config or SentinelConfig()
-    if audit_rate > 0:
-        config = replace(config, statistical_ban_directions=tuple(
-            d for d in config.statistical_ban_directions if d != "bwd"))
-    return config
+    return replace(config, statistical_ban_directions=tuple(
+        d for d in config.statistical_ban_directions if d not in audited))
 
 
 @dataclass

@@ -204,6 +204,8 @@ class StageNode:
         self._p2p = None
         self._tasks: list[asyncio.Task] = []
         self._audits: set[asyncio.Task] = set()  # SENTINEL audits in flight (see _start_audit)
+        self._prev_records: list[StageRecord] = []  # stage 0's records, for audits of activations (stage 1 only)
+        self._prev_records_at = 0.0
         self._sync_task: Optional[asyncio.Task] = None
         self._syncs: list = []  # every ReplicaSync this node created: all are shut down on stop
         self._serving_since = time.monotonic()
@@ -224,7 +226,7 @@ class StageNode:
         self._stash_weights: Optional[dict] = None
         # SENTINEL: statistics of what each upstream sender (activations) and downstream peer (gradients) sends us;
         # corrupted senders are banned: their messages dropped, routing avoids them, the ban is published.
-        self.sentinel = (SentinelMonitor(node_config(SentinelConfig(seed=manifest.seed), self.opts.audit_rate))
+        self.sentinel = (SentinelMonitor(node_config(SentinelConfig(seed=manifest.seed), self._audited()))
                          if self.opts.sentinel else None)
         self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
         # Allow-listed runs: only callers holding a certified record of the run are served (see credentials.py).
@@ -714,13 +716,17 @@ class StageNode:
             raise
         if meta.get("audit"):
             # Recompute for a replica's receiver; nothing here trains on it, so it is not screened either.
-            if not self.is_tail:
-                raise self._reject("wrong_stage", "audits are served by the last stage only")
-            grad, version = await self.run_compute(self._recompute_tail, tensors, self.generation)
-            return {"loss": None, "path": [self.peer_id], "version": version}, [grad]
+            if not (self.is_tail or self.is_head):
+                raise self._reject("wrong_stage", "audits are served by the first and the last stage only")
+            recompute = self._recompute_tail if self.is_tail else self._recompute_head
+            out, version = await self.run_compute(recompute, tensors, self.generation)
+            return {"loss": None, "path": [self.peer_id], "version": version}, [out]
         if not self.is_head and bool(meta.get("train", True)):
-            if await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2],
-                                  version=meta.get("version")):
+            flagged = await self._screen(sender, self.stage_index - 1, "fwd", tensors[0], tensors[-2],
+                                         version=meta.get("version"))
+            if "fwd" in self._audited() and (flagged or random.random() < self.opts.audit_rate):
+                self._start_audit("fwd", sender, meta, tensors, tensors[0], meta.get("version"), flagged=flagged)
+            if flagged:
                 raise self._reject("sentinel", "activations flagged as corrupted by SENTINEL")
         train = bool(meta.get("train", True))
         generation = self.generation
@@ -790,14 +796,14 @@ class StageNode:
                     tried.append(peer.peer_id)
                     self.counters.retried += 1
                     logger.warning(f"gradient from stage {nxt} peer {peer.peer_id[-8:]} flagged; trying another replica")
-                    if nxt == self.manifest.n_stages - 1 and self.opts.audit_rate > 0:
-                        self._start_audit(peer.peer_id, down_meta, tensors, grads[0], reply[0].get("version"),
-                                          flagged=True)
+                    if "bwd" in self._audited():
+                        self._start_audit("bwd", peer.peer_id, down_meta, tensors, grads[0],
+                                          reply[0].get("version"), flagged=True)
                     continue
                 self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
                 if (self.sentinel is not None and meta.get("train", True) and len(grads) == 1
-                        and nxt == self.manifest.n_stages - 1 and random.random() < self.opts.audit_rate):
-                    self._start_audit(peer.peer_id, down_meta, tensors, grads[0], reply[0].get("version"))
+                        and "bwd" in self._audited() and random.random() < self.opts.audit_rate):
+                    self._start_audit("bwd", peer.peer_id, down_meta, tensors, grads[0], reply[0].get("version"))
                 return reply
             except RpcError as err:
                 last_error = err
@@ -810,24 +816,45 @@ class StageNode:
                 logger.warning(f"stage {nxt} peer {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
         raise RpcError("retries_exhausted", f"stage {nxt}: {self.opts.max_retries} retries failed; last: {last_error}")
 
-    def _start_audit(self, sender: str, meta: dict, tensors: list, grad: torch.Tensor, version,
+    def _audited(self) -> tuple[str, ...]:
+        """Directions whose messages this node can have recomputed: gradients from the last stage (a tail needs
+        only the boundary), activations from the first (a head needs only the tokens). A middle stage's messages
+        would need its whole upstream or downstream chain: those stay judged by statistics."""
+        if self.opts.audit_rate <= 0:
+            return ()
+        n = self.manifest.n_stages
+        return (*(("fwd",) if self.stage_index == 1 else ()), *(("bwd",) if self.stage_index + 1 == n - 1 else ()))
+
+    def _start_audit(self, direction: str, sender: str, meta: dict, tensors: list, message: torch.Tensor, version,
                      flagged: bool = False) -> None:
-        """Recompute ``sender``'s gradient on other tails in the background: a random accepted one when no audit
-        runs (evidence, not a deadline: skipping one when busy costs nothing), a flagged one (statistics only
-        name suspects for gradients; this convicts or clears) when fewer than ``MAX_AUDITS`` run."""
+        """Have other replicas of ``sender``'s stage recompute its message in the background: a random accepted
+        one when no audit runs (evidence, not a deadline: skipping one when busy costs nothing), a flagged one
+        (statistics only name suspects in audited directions; this convicts or clears) when fewer than
+        ``MAX_AUDITS`` run."""
         self._audits = {t for t in self._audits if not t.done()}
         if len(self._audits) >= (MAX_AUDITS if flagged else 1):
             return
-        task = asyncio.create_task(self._run_audit(sender, meta, tensors, grad, version), name="audit")
+        task = asyncio.create_task(self._run_audit(direction, sender, meta, tensors, message, version), name="audit")
         task.add_done_callback(_log_task_error)
         self._audits.add(task)
 
-    async def _run_audit(self, sender: str, meta: dict, tensors: list, grad: torch.Tensor, version) -> None:
-        """Ask a tail replica at the sender's step for the same gradient (``audit``: computed, not trained on); if
-        it differs, ask a second one, then let SENTINEL judge (``recomputed``)."""
+    async def _run_audit(self, direction: str, sender: str, meta: dict, tensors: list, message: torch.Tensor,
+                         version) -> None:
+        """Ask a replica of the sender's stage at the sender's step for the same message (``audit``: computed, not
+        trained on); if it differs, ask a second one, then let SENTINEL judge (``recomputed``)."""
         banned = self.banned_peers()
         claimed = version_key(version)
-        others = [r for r in self.next_records if r.peer_id != sender and r.peer_id not in banned
+        if direction == "bwd":
+            records, boundary = self.next_records, self.stage_index
+        else:
+            if time.monotonic() - self._prev_records_at > 2.0:
+                self._prev_records = await self.run_io(read_stage, self.dht, self.manifest.run_id, 0,
+                                                       self.manifest.hash)
+                self._prev_records_at = time.monotonic()
+            records, boundary = self._prev_records, self.stage_index - 1
+            meta = dict(meta, stage=0)
+            tensors = tensors[-2:]  # the head needs the tokens only
+        others = [r for r in records if r.peer_id != sender and r.peer_id not in banned
                   and r.state == PeerState.SERVING.value and (claimed is None or r.step == claimed[0])]
         random.shuffle(others)
         results: list = []
@@ -839,21 +866,31 @@ class StageNode:
             except RpcError as err:
                 logger.debug(f"audit on {rec.peer_id[-8:]} failed: {err}")
                 continue
-            if len(out) != 1 or tuple(out[0].shape) != tuple(grad.shape):
+            if len(out) != 1 or tuple(out[0].shape) != tuple(message.shape):
                 continue
             results.append((rec.peer_id, out[0], reply.get("version")))
-            if self.sentinel.same_message(grad, out[0]):
+            if self.sentinel.same_message(message, out[0]):
                 break  # confirmed: no second opinion needed
         if not results:
             return
-        verdict = await self.run_io(functools.partial(self.sentinel.recomputed, sender, self.stage_index, "bwd", grad,
+        verdict = await self.run_io(functools.partial(self.sentinel.recomputed, sender, boundary, direction, message,
                                                       version, results))
         if self.opts.sentinel_log:
-            await self.run_io(self._log_verdict, sender, self.stage_index, "audit", self.step, version, verdict)
+            await self.run_io(self._log_verdict, sender, boundary, f"audit {direction}", self.step, version, verdict)
         if verdict.flagged:
-            self.log_event("audit_failed", peer=sender, reasons=verdict.reasons[:2])
-            logger.warning(f"SENTINEL audit: {sender[-8:]}'s gradient is not what its weights compute: "
+            self.log_event("audit_failed", peer=sender, direction=direction, reasons=verdict.reasons[:2])
+            logger.warning(f"SENTINEL audit: {sender[-8:]}'s {direction} message is not what its weights compute: "
                            f"{verdict.reasons[:1]}{' (banned)' if verdict.banned else ''}")
+
+    def _recompute_head(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
+        """An audit request to a head: the boundary coordinates it sends for these tokens, without training (the
+        same computation as a training forward, whose stashed weights equal the live ones of that version)."""
+        self._check_generation(generation)
+        tokens = tensors[-2].long()
+        with torch.no_grad():
+            out = self.stage(tokens)
+        coords = compress(out, tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords
+        return coords, self.sent_version(self.step)
 
     def _recompute_tail(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
         """An audit request: the gradient this tail returns for ``tensors``, without training on it (no parameter
