@@ -6,11 +6,9 @@ honest receiver that judged enough of an attacker's messages must have banned it
 and no honest receiver may ban an honest peer. Clean run: SENTINEL on, no attacker, trained until the loss has
 clearly dropped (the honest statistics drift the whole time): nobody is banned.
 
-Opt-in (``AGORA_LIVE_SENTINEL=1``): this is the acceptance test for turning SENTINEL on by default, and it does not
-pass reliably yet (``docs/bench/sentinel/live.md``: on the loaded 2-core dev machine the clean run passed 1 of 2,
-the attack run 0 of 2; in the last attack run both attackers were banned by every honest receiver within 21-32 of
-their messages, but honest heads also banned honest tails for gradient mean-direction features). Each run takes
-2.5-6 min there, over the 3-minute budget. Run it with ``AGORA_LIVE_SENTINEL=1 pytest tests/test_security_live.py``.
+Every node runs with audits (the default with ``--sentinel``): a tiny swarm has two stages, so every message can be
+recomputed by another replica of its sender's stage, and only a recomputation that disagrees bans. Each run takes
+about a minute on a quiet 2-core machine (4-5 under load); ``docs/bench/sentinel/live.md`` has the record.
 
 Three replicas of the attacked stage, not two: with two senders a receiver cannot tell which of them is off unless
 the corruption is gross (see the ``sentinel`` module docstring), and an attacker present from the first message

@@ -48,11 +48,15 @@ How it decides (``SentinelMonitor.observe``):
    step but another fingerprint neither confirms a flag nor counts in the common-mode median, and a sender alone
    on its weights is kept out of the peer tests. A flag nobody with the same weights could settle expires as
    ``unconfirmed_weight`` (a third) of a strike: a sender that lies about its version still gets banned, later.
-7. Recomputation, the strongest evidence, for free: a receiver retries a dropped microbatch on another replica,
-   and replicas with the same weights compute bit-identical messages. If the retry returns the exact content that
-   was flagged, the flag was the reference's fault: it is withdrawn for every sender of that content, the message
-   is used, the reference re-anchored. If a replica claiming the same weights returns different, accepted content
-   for the same input, the flagged sender is struck at once (not a statistical strike).
+7. Recomputation, the strongest evidence: replicas with the same weights compute bit-identical messages. A
+   receiver retries a dropped microbatch on another replica; if the retry returns the exact content that was
+   flagged, the flag was the reference's fault: it is withdrawn, the message is used, the reference re-anchored.
+   Where the sender's stage can recompute a message from what the receiver holds (a head from the tokens, a tail
+   from the boundary), the node *audits* (``recomputed``): every flagged message and ``AUDIT_RATE`` of the
+   accepted ones are recomputed by other replicas, and two that agree with each other and not with the message
+   strike its sender. In those directions (``node_config``) statistics only pick suspects and never ban: that is
+   what removed the honest bans of live runs, and what catches corruption no statistic sees (stale messages, faint
+   noise). A middle stage's messages cannot be recomputed without its whole chain: statistics ban there.
 8. Peer-relative evidence on z (drift cancels): a per-sender EMA of z against the median of the active senders'
    EMAs (>= 3 senders), and a two-sided CUSUM on the message's z minus that median (small persistent shifts),
    both scaled by the measured variance of honest z. A CUSUM alarm also needs the sender's EMA ``cusum_peer_min``

@@ -103,10 +103,9 @@ def moves_key(run_id: str) -> str:
 
 @dataclass
 class NodeOptions:
-    # SENTINEL monitoring of received activations/gradients, with bans. Off by default: its reference now follows
-    # honest training drift (no honest bans offline while tiny trains), but live swarms still see honest bans and
-    # a missed attacker when routing floods one receiver with an attacker's messages (tests/test_security_live.py,
-    # opt-in). Enable with `agora node --sentinel`.
+    # SENTINEL monitoring of received activations/gradients, with audits and bans (`agora node --sentinel`). Off by
+    # default: it costs CPU per message and ~10% extra compute for audits, and its statistics, which alone decide
+    # for a middle stage's messages, drop honest messages early in training (tests/test_security_live.py).
     sentinel: bool = False
     sentinel_log: Optional[str] = None  # JSONL file: one line per message SENTINEL judged (the evidence behind bans)
     # With SENTINEL: the share of accepted gradients from the last stage that another tail replica with the same
@@ -855,8 +854,10 @@ class StageNode:
             meta = dict(meta, stage=0)
             tensors = tensors[-2:]  # the head needs the tokens only
         others = [r for r in records if r.peer_id != sender and r.peer_id not in banned
-                  and r.state == PeerState.SERVING.value and (claimed is None or r.step == claimed[0])]
+                  and r.state == PeerState.SERVING.value]
         random.shuffle(others)
+        # Replicas whose record shows the sender's step first; records lag by seconds, so the others are asked too.
+        others.sort(key=lambda r: claimed is None or r.step != claimed[0])
         results: list = []
         for rec in others[:2]:
             try:
