@@ -30,8 +30,10 @@ from agora.security.sentinel import SentinelConfig
 from agora.swarm.demo import Swarm, read_json
 from swarm_util import processes_mentioning
 
+# Opt-in: the three runs take 3-5 minutes on a 2-core machine, which would push the whole suite past its 10-minute
+# budget; the in-process swarm tests (test_security_audit, test_swarm) exercise the same bans on every run.
 pytestmark = pytest.mark.skipif(not os.environ.get("AGORA_LIVE_SENTINEL"),
-                                reason="live SENTINEL acceptance test (slow, not yet reliable): AGORA_LIVE_SENTINEL=1")
+                                reason="multi-process SENTINEL acceptance runs (3-5 min): AGORA_LIVE_SENTINEL=1")
 
 MICROBATCH_TOKENS = 8 * 64  # tiny: microbatch_size x seq_len
 # A receiver's warm-up is pooled over its senders (an attacker present from the start sends about a third of it),

@@ -274,6 +274,9 @@ def test_an_audit_bans_what_no_statistic_sees_and_needs_two_agreeing_recomputati
     assert "inconclusive" in mon.recomputed("a", 0, "fwd", stale, v, [("b", real, (7, 2.5)), ("c", real, (8, 1.5))]
                                             ).reasons[0]
     assert mon.strikes("a") == 0
+    # ... unless statistics flagged the message too: then one disagreeing recomputation is a (whole) strike.
+    assert mon.recomputed("z", 0, "fwd", stale, v, [("b", real, v)], suspected=True).flagged
+    assert mon.strikes("z") == 1
     verdict = mon.recomputed("a", 0, "fwd", stale, v, [("b", real, v), ("c", real.clone(), [7, 1.5])])
     assert verdict.flagged and not verdict.banned and "differs" in verdict.reasons[0]
     assert mon.recomputed("a", 0, "fwd", stale, v, [("b", real, v), ("c", real, v)]).banned  # two failed audits

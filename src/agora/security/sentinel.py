@@ -414,7 +414,7 @@ class SentinelMonitor:
                                  version_key(version))
 
     def recomputed(self, sender: str, boundary: int, direction: Direction, original: Tensor, version: object,
-                   recomputations: Sequence[tuple[str, Tensor, object]]) -> Verdict:
+                   recomputations: Sequence[tuple[str, Tensor, object]], suspected: bool = False) -> Verdict:
         """An audit: other replicas of ``sender``'s stage recomputed a message it sent (same input), as
         ``(auditor, tensor, its version)``; the receiver compares.
 
@@ -423,8 +423,11 @@ class SentinelMonitor:
         sender is struck (not a statistical strike: nothing is estimated) when two of them agree with each other
         and not with its message: that bans a sender whose corruption looks honest to every statistic, e.g. the
         real message of another microbatch (``stale``) or noise below the per-message spread. One disagreeing
-        recomputation is no proof (the auditor may be the liar): the caller asks a second replica. An auditor that
-        disagrees with the message and with another auditor who confirms the message is struck itself.
+        recomputation is no proof (the auditor may be the liar): the caller asks a second replica. When none at
+        the sender's weights answers (live, replicas often step seconds apart) and the message was ``suspected``
+        (flagged by statistics), one disagreeing recomputation is a strike of weight 1: two independent signs, and
+        a lying auditor would need three flagged honest messages audited by it alone to ban anyone. An auditor
+        that disagrees with the message while two others confirm it is struck itself.
         """
         cfg, a = self.cfg, version_key(version)
         with self._lock:
@@ -457,6 +460,10 @@ class SentinelMonitor:
                 return self._strike(stream, sender, st, [f"recomputed by {differ[0][0][-8:]} and {differ[1][0][-8:]}: "
                                                          f"differs (relative difference {diff:.3g})"], diff,
                                     counted=True, weight=cfg.audit_weight)
+            if len(differ) == 1 and suspected:
+                diff = _relative_difference(original, differ[0][1])
+                return self._strike(stream, sender, st, [f"flagged, and recomputed by {differ[0][0][-8:]} differently "
+                                                         f"(relative difference {diff:.3g})"], diff, counted=True)
             return Verdict(False, False, 0.0, ["audit needs a second recomputation"])
 
     def same_message(self, x: Tensor, y: Tensor) -> bool:

@@ -833,12 +833,13 @@ class StageNode:
         self._audits = {t for t in self._audits if not t.done()}
         if len(self._audits) >= (MAX_AUDITS if flagged else 1):
             return
-        task = asyncio.create_task(self._run_audit(direction, sender, meta, tensors, message, version), name="audit")
+        task = asyncio.create_task(self._run_audit(direction, sender, meta, tensors, message, version, flagged),
+                                   name="audit")
         task.add_done_callback(_log_task_error)
         self._audits.add(task)
 
     async def _run_audit(self, direction: str, sender: str, meta: dict, tensors: list, message: torch.Tensor,
-                         version) -> None:
+                         version, flagged: bool = False) -> None:
         """Ask a replica of the sender's stage at the sender's step for the same message (``audit``: computed, not
         trained on); if it differs, ask a second one, then let SENTINEL judge (``recomputed``)."""
         banned = self.banned_peers()
@@ -875,7 +876,7 @@ class StageNode:
         if not results:
             return
         verdict = await self.run_io(functools.partial(self.sentinel.recomputed, sender, boundary, direction, message,
-                                                      version, results))
+                                                      version, results, flagged))
         if self.opts.sentinel_log:
             await self.run_io(self._log_verdict, sender, boundary, f"audit {direction}", self.step, version, verdict)
         if verdict.flagged:
