@@ -126,8 +126,9 @@ def train_under_attack(manifest: "Manifest | str" = "tiny", kind: Optional[str] 
             coords = head(tok) @ head.basis
             x = decompress(Boundary(coords, tok.int(), "subspace"), tail.basis, tail.frozen_embed)
             losses.append(float(tail.loss(tail(x), tgt)))
-    honest_banned = sum(monitor.banned(n) for n in names[:-1]) + (monitor.banned("attacker") and kind is None) \
-        if monitor is not None else 0
+    # In the clean run the attacker's seat is honest too.
+    honest = names if kind is None else names[:-1]
+    honest_banned = sum(monitor.banned(n) for n in honest) if monitor is not None else 0
     return {"kind": kind or "clean", "strength": strength, "direction": direction, "defended": defend,
             "steps": steps, "val_loss": sum(losses) / len(losses), "attacker_banned_at_step": banned_at,
             "corrupt_used": used_corrupt, "corrupt_dropped": flagged_corrupt, "honest_dropped": flagged_honest,

@@ -529,13 +529,16 @@ class SentinelMonitor:
         tok = None
         if tokens is not None:
             tok = hashlib.blake2b(tokens.detach().cpu().to(torch.int64).numpy().tobytes(), digest_size=16).digest()
+        raw.t = float(step) if step is not None else float(stream.n)
+        raw.sender, raw.version, raw.tok = sender, version, tok
+        if tok is not None:
             seen = stream.judged.get((tok, digest))
             if seen is not None and not _same_base(raw.base, seen.base):
                 seen = None  # the same sign pattern, not the same message (e.g. rescaled): judged afresh
             if (seen is not None and seen.flagged and sender not in seen.senders and version is not None
                     and version[1] is not None and version == seen.version and _weight(st) == 0
                     and self._trusted(st)):
-                return self._reproduced(stream, sender, seen, raw, step, version, tok)
+                return self._reproduced(stream, sender, seen, raw)
             if seen is not None:
                 # A retry: the same microbatch's identical message, re-sent after a drop or a failure elsewhere
                 # (nodes retry other replicas, trainers re-submit). It gets the verdict its content already got, and
@@ -544,8 +547,6 @@ class SentinelMonitor:
                 seen.senders.add(sender)
                 return Verdict(seen.flagged, st.banned or sender in self._banned, 0.0,
                                [f"retry of a flagged message: {'; '.join(seen.reasons[:2])}"] if seen.flagged else [])
-        raw.t = float(step) if step is not None else float(stream.n)
-        raw.sender, raw.version, raw.tok = sender, version, tok
         verdict = self._judge(stream, sender, st, raw, self._replay_check(stream, sender, digest, tok, raw.base))
         if tok is not None:
             if not verdict.flagged:
@@ -560,8 +561,7 @@ class SentinelMonitor:
                 stream.by_tok.pop(next(iter(stream.by_tok)))
         return verdict
 
-    def _reproduced(self, stream: _Stream, sender: str, seen: _Judged, raw: _Raw, step, version,
-                    tok: bytes) -> Verdict:
+    def _reproduced(self, stream: _Stream, sender: str, seen: _Judged, raw: _Raw) -> Verdict:
         """Another replica sent the exact content of a flagged message for the same microbatch (the receiver
         retried it there). Replicas holding the same weights compute bit-identical results, so the content is the
         honest computation and the flag was the reference's fault (the model moved faster than it followed): the
@@ -569,6 +569,7 @@ class SentinelMonitor:
         message is accepted and the reference re-anchored on it. Only from a sender in good standing (no strikes,
         CUSUM low) claiming the same, known weights; replay strikes stay. Two colluding identities of one attacker
         could still fake a reproduction (a known limit: in open runs identities are free)."""
+        tok = raw.tok
         seen.flagged, seen.reasons = False, []
         seen.senders.add(sender)
         stream.pending = [p for p in stream.pending if p.tok != tok]
@@ -578,8 +579,6 @@ class SentinelMonitor:
                 other.strikes = deque(x for x in other.strikes if not (x[2] and x[4] == tok))
         stream.by_tok[tok] = [(w, d, b, v, False if w in seen.senders else f)
                               for w, d, b, v, f in stream.by_tok.get(tok, [])]
-        raw.t = float(step) if step is not None else float(stream.n)
-        raw.sender, raw.version, raw.tok = sender, version, tok
         stream.recent.append(raw)
         if stream.ready and raw.mean.shape == stream.vec_mu["mean"].shape:
             stream.window.append(raw)

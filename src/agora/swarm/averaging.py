@@ -401,9 +401,13 @@ class ReplicaSync:
         if time.monotonic() - self._banned_at > 2.0:
             self._banned_at = time.monotonic()
             try:
-                swarm = await n.run_io(read_swarm, n.dht, n.manifest.run_id, n.manifest.n_stages, n.manifest.hash)
-                serving = {r.peer_id for stage in swarm for r in stage if r.state == PeerState.SERVING.value}
-                published = await n.run_io(read_bans, n.dht, n.manifest.run_id, n.manifest.hash, serving)
+                m = n.manifest
+
+                def serving() -> set[str]:  # runs on the I/O thread, inside read_bans, only if bans were published
+                    swarm = read_swarm(n.dht, m.run_id, m.n_stages, m.hash)
+                    return {r.peer_id for stage in swarm for r in stage if r.state == PeerState.SERVING.value}
+
+                published = await n.run_io(read_bans, n.dht, m.run_id, m.hash, serving)
             except Exception as err:  # keep the previous view; bans only ever grow
                 logger.debug(f"reading bans failed: {err!r}")
                 published = set()

@@ -92,7 +92,7 @@ BANNABLE = {
 }
 
 
-MAX_AUDITS = 3  # SENTINEL audits in flight at once (each costs a tail forward and backward or two)
+MAX_AUDITS = 3  # SENTINEL audits in flight at once (each costs one or two recomputations by other replicas)
 MOVE_LOCK_TTL_S = 90.0  # a mover that dies mid-move blocks other moves at most this long
 
 
@@ -104,13 +104,15 @@ def moves_key(run_id: str) -> str:
 @dataclass
 class NodeOptions:
     # SENTINEL monitoring of received activations/gradients, with audits and bans (`agora node --sentinel`). Off by
-    # default: it costs CPU per message and ~10% extra compute for audits, and its statistics, which alone decide
-    # for a middle stage's messages, drop honest messages early in training (tests/test_security_live.py).
+    # default: it costs CPU per message, audits recompute ``audit_rate`` of the messages on other replicas (overhead
+    # not benchmarked yet), and its statistics, which alone decide for a middle stage's messages, drop honest
+    # messages early in training (tests/test_security_live.py).
     sentinel: bool = False
     sentinel_log: Optional[str] = None  # JSONL file: one line per message SENTINEL judged (the evidence behind bans)
-    # With SENTINEL: the share of accepted gradients from the last stage that another tail replica with the same
-    # weights recomputes (``SentinelMonitor.recomputed``): catches corruption no statistic sees, for this much extra
-    # tail compute. Audits of middle stages would need their downstream chain: not done.
+    # With SENTINEL: the share of accepted messages that other replicas of the sender's stage recompute (flagged ones
+    # always; ``SentinelMonitor.recomputed``), where they can: activations of the first stage, gradients of the last.
+    # Catches corruption no statistic sees, for this much extra compute. A middle stage's messages would need its
+    # whole chain: not audited.
     audit_rate: float = AUDIT_RATE
     rate_limit_per_s: float = 200.0  # fwd_bwd calls per second per caller (burst = 2x)
     hop_timeout_s: float = 30.0  # one stage's compute + its downstream chain, scaled by the stages left
@@ -163,6 +165,11 @@ class _Pending:
     fwd_s: float = 0.0  # compute seconds of the forward (throughput counts forward + backward per microbatch)
     weights: Optional[dict] = None  # the stashed parameter snapshot the forward ran on (see StageNode._stashed)
     version: Optional[list] = None  # ``sent_version`` of the weights the forward ran on (read on the compute thread)
+
+
+def _targets(tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of a microbatch: its tokens shifted by one, then each sequence's following token."""
+    return torch.cat([tokens[:, 1:], last[:, None]], dim=1)
 
 
 def _log_task_error(task: asyncio.Task) -> None:
@@ -225,8 +232,7 @@ class StageNode:
         self._stash_weights: Optional[dict] = None
         # SENTINEL: statistics of what each upstream sender (activations) and downstream peer (gradients) sends us;
         # corrupted senders are banned: their messages dropped, routing avoids them, the ban is published.
-        self.sentinel = (SentinelMonitor(node_config(SentinelConfig(seed=manifest.seed), self._audited()))
-                         if self.opts.sentinel else None)
+        self.sentinel = SentinelMonitor(self._sentinel_config()) if self.opts.sentinel else None
         self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
         # Allow-listed runs: only callers holding a certified record of the run are served (see credentials.py).
         self.members = RunMembers(manifest) if manifest.security.allow_list else None
@@ -492,6 +498,8 @@ class StageNode:
         self.throughput = 0.0  # measured on another stage: says nothing about this one
         self.loss_ema = float("nan")
         self.next_records = []
+        if self.sentinel is not None:  # which directions can be audited depends on the stage
+            self.sentinel.cfg = self._sentinel_config()
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
 
     # ------------------------------------------------------------------ validation
@@ -558,8 +566,7 @@ class StageNode:
             leaf, out = self._forward_from(None if self.is_head else tensors[0], tokens, stash)
             loss = None
             if self.is_tail:
-                targets = torch.cat([tokens[:, 1:], last[:, None]], dim=1)
-                loss_t = self.stage.loss(out, targets)
+                loss_t = self.stage.loss(out, _targets(tokens, last))
                 loss = float(loss_t.detach())
                 if train:
                     # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean.
@@ -815,6 +822,9 @@ class StageNode:
                 logger.warning(f"stage {nxt} peer {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
         raise RpcError("retries_exhausted", f"stage {nxt}: {self.opts.max_retries} retries failed; last: {last_error}")
 
+    def _sentinel_config(self) -> SentinelConfig:
+        return node_config(SentinelConfig(seed=self.manifest.seed), self._audited())
+
     def _audited(self) -> tuple[str, ...]:
         """Directions whose messages this node can have recomputed: gradients from the last stage (a tail needs
         only the boundary), activations from the first (a head needs only the tokens). A middle stage's messages
@@ -902,8 +912,7 @@ class StageNode:
         tokens, last = tensors[-2].long(), tensors[-1].long()
         with torch.enable_grad():
             leaf, out = self._forward_from(tensors[0], tokens)
-            targets = torch.cat([tokens[:, 1:], last[:, None]], dim=1)
-            (grad,) = torch.autograd.grad(self.stage.loss(out, targets) * tokens.shape[0], leaf)
+            (grad,) = torch.autograd.grad(self.stage.loss(out, _targets(tokens, last)) * tokens.shape[0], leaf)
         return grad.to(self._wire_dtype), self.sent_version(self.step)
 
     async def _wait_for_next_peer(self, tried: list[str]) -> Optional[StageRecord]:

@@ -17,7 +17,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -155,11 +155,15 @@ def read_swarm(dht: DHT, run_id: str, n_stages: int, manifest_hash: str) -> list
 BAN_QUORUM = 2
 
 
-def read_bans(dht: DHT, run_id: str, manifest_hash: str, publishers: Optional[set] = None,
+def read_bans(dht: DHT, run_id: str, manifest_hash: str, publishers: Optional[Callable[[], set]] = None,
               quorum: int = BAN_QUORUM) -> set[str]:
-    """Peers that at least ``quorum`` other peers of the run (among ``publishers``, e.g. the serving peers, when
-    given) have banned for corrupted messages. Used to keep banned peers out of routing and averaging groups."""
-    return quorate_bans(read_subkeys(dht, bans_key(run_id)), manifest_hash, publishers, quorum)
+    """Peers that at least ``quorum`` other peers of the run have banned for corrupted messages. ``publishers``:
+    returns the peers whose bans count (e.g. those serving a stage); called only when someone published a ban, so
+    a run without bans pays one DHT read. Used to keep banned peers out of routing and averaging groups."""
+    published = read_subkeys(dht, bans_key(run_id))
+    if not published:
+        return set()
+    return quorate_bans(published, manifest_hash, publishers() if publishers is not None else None, quorum)
 
 
 def quorate_bans(published: dict, manifest_hash: str, publishers: Optional[set] = None,

@@ -107,7 +107,7 @@ class Trainer:
         try:
             # Heads that the next stage banned for corrupted activations are not sent our data any more.
             serving = {r.peer_id for stage in swarm for r in stage if r.state == "serving"}
-            self.banned |= await self.run_io(read_bans, self.dht, m.run_id, m.hash, serving)
+            self.banned |= await self.run_io(read_bans, self.dht, m.run_id, m.hash, lambda: serving)
         except Exception as err:
             logger.debug(f"reading bans failed: {err!r}")
         self.swarm = [[r for r in stage if r.peer_id not in self.banned] for stage in swarm]
