@@ -554,9 +554,9 @@ class ReplicaSync:
             else:
                 self.rounds_failed += 1
                 logger.warning(f"stage {n.stage_index}: all-reduce with {n_others} replicas failed; stepping locally")
-        if averaged is None:
+        local = averaged is None
+        if local:
             averaged = await n.run_compute(self._not_averaged, grads, n_others == 0)
-            self.local_steps += 1
 
         start_sparse = self.sparse is not None and (self._sparse_task is None or self._sparse_task.done())
 
@@ -568,6 +568,8 @@ class ReplicaSync:
             return None, self._epoch
 
         snap, epoch = await n.run_compute(step)
+        if local:  # counted once the step is applied: a scrape never sees more local steps than steps
+            self.local_steps += 1
         if snap is not None:
             weight, self._samples_since_round = self._samples_since_round, 0
             self._sparse_task = asyncio.create_task(self._sparse_round(snap, weight, epoch),
