@@ -8,8 +8,8 @@ import time
 
 from hivemind import DHT
 
-from agora.swarm.node import NodeOptions, StageNode
-from agora.swarm.peer import make_dht, visible_maddrs
+from agora.server.node import NodeOptions, StageNode
+from agora.net.dht import make_dht, visible_maddrs
 
 
 @contextlib.asynccontextmanager

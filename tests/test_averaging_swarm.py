@@ -12,8 +12,8 @@ import time
 import torch
 
 from agora.config import load_manifest
-from agora.swarm.node import NodeOptions
-from agora.swarm.trainer import Trainer
+from agora.server.node import NodeOptions
+from agora.client.trainer import Trainer
 from swarm_util import local_swarm, random_batches, wait_until
 
 BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
@@ -123,8 +123,8 @@ def test_powersgd_replica_stuck_inside_the_allreduce_then_killed(monkeypatch):
     from hivemind.averaging.allreduce import AllReduceRunner
     from hivemind.averaging.control import AveragingStage
 
-    from agora.swarm.node import StageNode
-    from agora.swarm.peer import make_dht, visible_maddrs
+    from agora.server.node import StageNode
+    from agora.net.dht import make_dht, visible_maddrs
 
     opts = NodeOptions(stall_step_s=1e9, averaging_timeout_s=12.0, hop_timeout_s=10.0)
 
@@ -305,7 +305,7 @@ def test_averaging_spec_of_the_demo_and_benchmark_commands():
     import pytest
 
     from agora.config import ManifestError
-    from agora.swarm.demo import demo_manifest
+    from agora.lab.demo import demo_manifest
 
     assert demo_manifest("tiny", 2, averaging="full").hash == demo_manifest("tiny", 2).hash
     a = demo_manifest("tiny", 2, averaging="sparse, every=5, rho=0.1").averaging

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from agora.swarm.status import acknowledged_counts, annotate_contributions, render_status
+from agora.ops.status import acknowledged_counts, annotate_contributions, render_status
 
 H = "hash1"
 

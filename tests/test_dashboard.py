@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from agora.config import load_manifest
-from agora.swarm.demo import Child, LocalAuthority, Swarm
-from agora.swarm.peer import make_dht, visible_maddrs
+from agora.lab.demo import Child, LocalAuthority, Swarm
+from agora.net.dht import make_dht, visible_maddrs
 from swarm_util import leftover_children
 
 ROOT = Path(__file__).resolve().parent.parent

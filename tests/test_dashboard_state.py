@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from agora.dashboard.server import DashboardState, diff_events
+from agora.ops.dashboard.server import DashboardState, diff_events
 
 
 def _snap(peers: list[tuple[str, int, str]], trainers=(), bans=()) -> dict:

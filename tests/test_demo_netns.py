@@ -1,6 +1,6 @@
 """`agora demo --link-mbps` on the kernel backend: every peer in its own network namespace, capped by tc tbf.
 
-Skipped unless this runs as root with working network namespaces (``agora.netem.available()``). What is checked:
+Skipped unless this runs as root with working network namespaces (``agora.lab.netem.available()``). What is checked:
 the run trains, each peer process (and its hivemind DHT process and libp2p daemon) really lives in a namespace of
 its own that carries the tbf cap, the demo's own DHT client lives in a namespace while none of this process's
 threads stays there, the dashboard's page is served on the host's loopback with live data from the namespaced
@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agora import netem
+from agora.lab import netem
 from swarm_util import kill_pids, leftover_children, processes_mentioning
 
 ok, reason = netem.available()
@@ -39,7 +39,7 @@ def _threads_namespaces() -> set[str]:
 
 
 def test_demo_runs_every_peer_in_its_own_capped_namespace_and_removes_them(tmp_path: Path) -> None:
-    from agora.swarm.demo import run_demo
+    from agora.lab.demo import run_demo
 
     out = tmp_path / "wan"
     home = os.readlink("/proc/self/ns/net")
@@ -130,7 +130,7 @@ def test_demo_runs_every_peer_in_its_own_capped_namespace_and_removes_them(tmp_p
 
 
 def test_a_dead_peers_namespace_is_reused_only_once_everything_in_it_is_gone(tmp_path: Path) -> None:
-    from agora.swarm.demo import Child, Swarm
+    from agora.lab.demo import Child, Swarm
 
     with netem.NetnsTopology(0, mbps=50) as topo:
         swarm = Swarm(tmp_path / "manifest.yaml", tmp_path, topology=topo)

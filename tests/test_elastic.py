@@ -19,12 +19,12 @@ import torch
 from agora.config import load_manifest
 from agora.data import TokenDataset
 from agora.model import Stage
-from agora.swarm.checkpoint import load_stage_checkpoint
-from agora.swarm.node import NodeOptions, StageNode
-from agora.swarm.peer import make_dht, visible_maddrs
-from agora.swarm.records import RECORD_TTL_S, PeerState, read_stage
-from agora.swarm.run import choose_stage
-from agora.swarm.trainer import Trainer, TrainerOptions
+from agora.server.checkpoint import load_stage_checkpoint
+from agora.server.node import NodeOptions, StageNode
+from agora.net.dht import make_dht, visible_maddrs
+from agora.net.records import RECORD_TTL_S, PeerState, read_stage
+from agora.roles import choose_stage
+from agora.client.trainer import Trainer, TrainerOptions
 
 MAN = load_manifest("tiny")
 V, T = MAN.model.vocab_size, MAN.model.seq_len
@@ -306,7 +306,7 @@ def test_peer_moves_to_the_bottleneck_stage_and_back_if_it_cannot_sync(monkeypat
             async def refuse(self, peer, timeout=60.0, keep_grads=False):
                 return False
 
-            monkeypatch.setattr("agora.swarm.averaging.ReplicaSync.download_from", refuse)
+            monkeypatch.setattr("agora.server.averaging.sync.ReplicaSync.download_from", refuse)
             moved = await other.move_to(1)
             monkeypatch.undo()
             back = max((p - q).abs().max().item() for p, q in zip(before, other.stage.parameters()))
@@ -377,7 +377,7 @@ def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behi
     """Real processes: every 8 s a serving stage peer is SIGKILLed (never the last of its stage) and a replacement
     starts with ``--stage auto``. Training goes on, replicas end bit-identical, survivors leave gracefully and
     quickly, and no process of the run is left."""
-    from agora.swarm.demo import run_demo
+    from agora.lab.demo import run_demo
 
     out = tmp_path / "chaos"
     try:

@@ -12,8 +12,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from agora.config import load_manifest
-from agora.metrics import serve_node_metrics
-from agora.swarm.trainer import Trainer
+from agora.ops.metrics import serve_node_metrics
+from agora.client.trainer import Trainer
 from swarm_util import leftover_children, local_swarm
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agora.optim_nadam import DelayedNAdam, WeightStash, beta1_for_delay, nadam_mu_product
+from agora.optim.nadam import DelayedNAdam, WeightStash, beta1_for_delay, nadam_mu_product
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

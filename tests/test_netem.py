@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from agora import netem
-from agora.netem import LinkThrottle, NetnsTopology, parse_link_spec
+from agora.lab import netem
+from agora.lab.netem import LinkThrottle, NetnsTopology, parse_link_spec
 
 
 def test_parse_link_spec():
@@ -178,7 +178,7 @@ def test_cleanup_stale_only_touches_dead_creators(monkeypatch):
 def test_demo_link_plan_uses_namespaces_when_possible_and_says_why_not(monkeypatch):
     """``agora demo --link-mbps``: the kernel cap when namespaces work (latency alone left to the transport, so the
     rate is never throttled twice), else the in-transport throttle with the reason; forcing netns never falls back."""
-    from agora.swarm.demo import plan_links
+    from agora.lab.demo import plan_links
 
     monkeypatch.setattr(netem, "available", lambda refresh=False: (True, "ok"))
     plan = plan_links(20, 30)

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from agora.swarm.records import StageRecord
-from agora.swarm.routing import (
+from agora.net.records import StageRecord
+from agora.net.routing import (
     DEFAULT_THROUGHPUT,
     BanList,
     Move,

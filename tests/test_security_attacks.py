@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agora.config import load_manifest
-from agora.security.attacks import (
+from agora.lab.attacks import (
     ATTACK_KINDS,
     AttackSpec,
     AttackSpecError,
@@ -17,7 +17,7 @@ from agora.security.attacks import (
     install_attack,
     parse_attack,
 )
-from agora.swarm.node import StageNode
+from agora.server.node import StageNode
 from agora.wire import compress
 
 MAN = load_manifest("tiny")

@@ -6,9 +6,10 @@ import asyncio
 import torch
 
 from agora.config import load_manifest
-from agora.security.attacks import install_attack
-from agora.swarm import transport
-from agora.swarm.node import FWD_BWD, NodeOptions
+from agora.lab.attacks import install_attack
+from agora.net import transport
+from agora.net.protocol import FWD_BWD
+from agora.server.node import NodeOptions
 from swarm_util import local_swarm, wait_until
 
 # No optimizer step during the test (the target batch is never reached): every replica keeps its initial weights,

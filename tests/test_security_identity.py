@@ -9,7 +9,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from agora.config import load_manifest
-from agora.security import identity as I
+from agora.trust import identity as I
 
 RUN = "tiny"
 

@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from agora.config import load_manifest
-from agora.security.sentinel import SentinelConfig
-from agora.swarm.demo import Swarm, read_json
+from agora.sentinel import SentinelConfig
+from agora.lab.demo import Swarm, read_json
 from swarm_util import processes_mentioning
 
 # Opt-in: the three runs take 3-5 minutes on a 2-core machine, which would push the whole suite past its 10-minute

@@ -1,9 +1,9 @@
-"""What an attacking replica costs the model, with and without SENTINEL (``agora.security.loss_impact``)."""
+"""What an attacking replica costs the model, with and without SENTINEL (``agora.bench.loss_impact``)."""
 
 import pytest
 import torch
 
-from agora.security.loss_impact import train_under_attack
+from agora.bench.loss_impact import train_under_attack
 
 STEPS = 60  # tiny: validation loss ~8.3 -> ~6.3; the attack runs from step 20
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from agora.security.ratelimit import RateLimiter, TokenBucket
+from agora.trust.ratelimit import RateLimiter, TokenBucket
 
 
 class Clock:

@@ -18,12 +18,13 @@ from typer.testing import CliRunner
 
 from agora.cli import app
 from agora.config import ManifestError, load_manifest
-from agora.security import identity as I
-from agora.swarm import transport
-from agora.swarm.credentials import CredentialError, load_credentials, save_certificate
-from agora.swarm.node import FWD_BWD, GET_STATE, NodeOptions, StageNode
-from agora.swarm.peer import JoinError, make_dht, visible_maddrs
-from agora.swarm.records import announce, read_subkeys, stage_key, trainers_key
+from agora.trust import identity as I
+from agora.net import transport
+from agora.trust.credentials import CredentialError, load_credentials, save_certificate
+from agora.net.protocol import FWD_BWD, GET_STATE
+from agora.server.node import NodeOptions, StageNode
+from agora.net.dht import JoinError, make_dht, visible_maddrs
+from agora.net.records import announce, read_subkeys, stage_key, trainers_key
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 runner = CliRunner()

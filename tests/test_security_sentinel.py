@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from agora.security.evaluate import (DRIFT_CLEAN, EVAL_STRENGTHS, evaluate, format_report, make_drift_trace, make_pool,
+from agora.bench.sentinel_eval import (DRIFT_CLEAN, EVAL_STRENGTHS, evaluate, format_report, make_drift_trace, make_pool,
                                      run_drift_stream, run_stream)
-from agora.security.sentinel import LossMonitor, SentinelConfig, SentinelMonitor
+from agora.sentinel import LossMonitor, SentinelConfig, SentinelMonitor
 
 # "stale" (a real message of another microbatch, never sent before) is statistically honest: fingerprints cannot
 # see it (see the sentinel module docstring); it is reported by the evaluation, not asserted here.
@@ -245,7 +245,7 @@ def test_a_receiver_bans_at_most_a_minority_of_its_senders_on_statistics(pool):
 
 
 def test_a_peer_is_dropped_swarm_wide_only_when_a_quorum_of_publishers_banned_it():
-    from agora.swarm.records import BAN_QUORUM, quorate_bans
+    from agora.net.records import BAN_QUORUM, quorate_bans
 
     h = "hash"
     published = {

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from agora.config import load_manifest
-from agora.swarm import transport
-from agora.swarm.node import FWD_BWD, NodeOptions
-from agora.swarm.peer import make_dht
-from agora.swarm.trainer import Trainer
+from agora.net import transport
+from agora.net.protocol import FWD_BWD
+from agora.server.node import NodeOptions
+from agora.net.dht import make_dht
+from agora.client.trainer import Trainer
 from swarm_util import processes_mentioning as _processes_mentioning, kill_pids, local_swarm, random_batches, wait_until
 
 MAN = load_manifest("tiny")

@@ -6,7 +6,7 @@ import torch
 
 from agora.config import load_manifest
 from agora.model import PipelineModel
-from agora.swarm.trainer import Trainer
+from agora.client.trainer import Trainer
 from swarm_util import local_swarm
 
 

@@ -3,7 +3,7 @@
 import json
 
 from agora.config import load_manifest
-from agora.train_local import train_local
+from agora.lab.train_local import train_local
 
 
 def test_fifty_tiny_steps_lower_the_loss_and_write_outputs(tmp_path):
@@ -24,7 +24,7 @@ def test_fifty_tiny_steps_lower_the_loss_and_write_outputs(tmp_path):
 def test_nadam_manifest_builds_the_delay_aware_optimizer_and_trains():
     from agora.model import PipelineModel
     from agora.optim import build_optimizer
-    from agora.optim_nadam import DelayedNAdam
+    from agora.optim.nadam import DelayedNAdam
 
     m = load_manifest("tiny").with_overrides(**{"optimizer.name": "nadam", "optimizer.betas": [0.99, 0.999]})
     assert isinstance(build_optimizer(PipelineModel(m), m.optimizer), DelayedNAdam)

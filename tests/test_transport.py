@@ -1,4 +1,4 @@
-"""Tests for agora.swarm.transport: the wire format offline, then real streams between p2pd daemons on loopback."""
+"""Tests for agora.net.transport: the wire format offline, then real streams between p2pd daemons on loopback."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import psutil
 import pytest
 import torch
 
-from agora.swarm import transport
-from agora.swarm.transport import (
+from agora.net import transport
+from agora.net.transport import (
     RpcError,
     RpcTimeout,
     TransferStats,

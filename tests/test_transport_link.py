@@ -5,9 +5,9 @@ import time
 
 import torch
 
-from agora.netem import LinkThrottle
-from agora.swarm import transport
-from agora.swarm.peer import make_dht, visible_maddrs
+from agora.lab.netem import LinkThrottle
+from agora.net import transport
+from agora.net.dht import make_dht, visible_maddrs
 
 
 def test_capped_link_delays_a_transfer_by_its_size(monkeypatch):

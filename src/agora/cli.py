@@ -49,7 +49,7 @@ def manifest(
 @app.command()
 def keygen(path: Path = typer.Argument(..., help="where to write the private key (also usable as --identity)")) -> None:
     """Create an RSA key: a peer identity (--identity) or a run authority key. Writes PATH and PATH.pub."""
-    from agora.security.identity import generate_key, peer_id_of, public_key_bytes, save_private_key
+    from agora.trust.identity import generate_key, peer_id_of, public_key_bytes, save_private_key
 
     if path.exists():
         console.print(f"[red]error:[/red] {path} exists; refusing to overwrite a key")
@@ -71,8 +71,8 @@ def sign_manifest_cmd(
     import yaml
 
     from agora.config import parse_manifest
-    from agora.security.identity import load_private_key, public_key_bytes
-    from agora.swarm.credentials import write_manifest_signature
+    from agora.trust.identity import load_private_key, public_key_bytes
+    from agora.trust.credentials import write_manifest_signature
 
     try:
         authority = load_private_key(key)
@@ -99,8 +99,8 @@ def certify(
     """Admit a peer's key to an allow-listed run: writes a certificate signed by the authority."""
     import time
 
-    from agora.security.identity import load_private_key, peer_id_of
-    from agora.swarm.credentials import certify as certify_key
+    from agora.trust.identity import load_private_key, peer_id_of
+    from agora.trust.credentials import certify as certify_key
 
     text = Path(peer_key).read_text().strip() if Path(peer_key).exists() else peer_key.strip()
     try:
@@ -124,7 +124,7 @@ def train_local_cmd(
     """Centralized baseline: train the whole model in this process; writes summary.json, loss.png, report.html."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from agora.train_local import train_local
+    from agora.lab.train_local import train_local
 
     m = _manifest(manifest)
     with Progress(
@@ -243,7 +243,7 @@ def _enable_stack_dumps() -> None:
 
 def _join_errors(fn):
     """Turn JoinError into its exit code with one readable line instead of a traceback."""
-    from agora.swarm.peer import JoinError
+    from agora.net.dht import JoinError
 
     try:
         return fn()
@@ -262,8 +262,8 @@ def bootstrap(
     log_level: str = LogOpt,
 ) -> None:
     """A DHT peer to join through; prints its full multiaddrs."""
-    from agora.swarm.peer import setup_logging
-    from agora.swarm.run import run_bootstrap
+    from agora.net.dht import setup_logging
+    from agora.roles import run_bootstrap
 
     setup_logging(log_level)
     m = _manifest(manifest) if manifest else None
@@ -291,9 +291,9 @@ def node(
     log_level: str = LogOpt,
 ) -> None:
     """Serve one pipeline stage: forward/backward for trainers and the previous stage, averaging with replicas."""
-    from agora.swarm.node import NodeOptions
-    from agora.swarm.peer import setup_logging
-    from agora.swarm.run import run_node
+    from agora.server.node import NodeOptions
+    from agora.net.dht import setup_logging
+    from agora.roles import run_node
 
     setup_logging(log_level)
     _enable_stack_dumps()
@@ -320,9 +320,9 @@ def train(
     log_level: str = LogOpt,
 ) -> None:
     """Feed a data shard into the pipeline and report the loss."""
-    from agora.swarm.peer import setup_logging
-    from agora.swarm.run import run_trainer
-    from agora.swarm.trainer import TrainerOptions
+    from agora.net.dht import setup_logging
+    from agora.roles import run_trainer
+    from agora.client.trainer import TrainerOptions
 
     setup_logging(log_level)
     _enable_stack_dumps()
@@ -346,8 +346,8 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """A table of the run read from the DHT: stages, peers, throughput, steps, the bottleneck."""
-    from agora.swarm.peer import make_dht
-    from agora.swarm.status import render_status, swarm_status
+    from agora.net.dht import make_dht
+    from agora.ops.status import render_status, swarm_status
 
     m = _manifest(manifest)
     dht = _join_errors(lambda: make_dht(initial_peers, client_mode=True, manifest=m, writes=False))
@@ -389,7 +389,7 @@ def demo(
                                                        "settings, e.g. 'powersgd,rank=8' or 'sparse,every=5'"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
-    from agora.swarm.demo import plan_links, run_demo
+    from agora.lab.demo import plan_links, run_demo
 
     try:  # refuse a bad link setup with one line, before anything starts
         plan_links(link_mbps, link_latency_ms, link_backend)
@@ -430,8 +430,8 @@ def dashboard(
     log_level: str = LogOpt,
 ) -> None:
     """Live web dashboard: stages, peers, tokens/s, loss, verified contributions and events, at http://HOST:PORT/."""
-    from agora.dashboard.server import run_dashboard
-    from agora.swarm.peer import setup_logging
+    from agora.ops.dashboard.server import run_dashboard
+    from agora.net.dht import setup_logging
 
     setup_logging(log_level)
     m = _manifest(manifest)

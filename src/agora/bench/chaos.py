@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
-from agora.swarm.demo import run_demo
+from agora.lab.demo import run_demo
 
 
 def _p50_max(values: list[float]) -> dict:

@@ -15,7 +15,7 @@ import torch
 from agora.bench.common import markdown_table, write_result
 from agora.config import load_manifest
 from agora.model import Stage
-from agora.train_local import train_local
+from agora.lab.train_local import train_local
 from agora.wire import bytes_per_token, compress
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
-from agora.swarm.demo import demo_manifest, plan_links, run_demo
-from agora.train_local import train_local
+from agora.lab.demo import demo_manifest, plan_links, run_demo
+from agora.lab.train_local import train_local
 
 
 def capped_runs(out: Path, link_mbps: float, backend: str, *, preset: str = "small", stages: int = 3,

@@ -19,8 +19,8 @@ import torch
 
 from agora.bench.common import markdown_table, write_result
 from agora.config import load_manifest
-from agora.swarm import transport
-from agora.swarm.peer import make_dht, visible_maddrs
+from agora.net import transport
+from agora.net.dht import make_dht, visible_maddrs
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -72,8 +72,8 @@ async def _hop_rtts(repeats: int, log: Callable[[str], None]) -> list[dict]:
 
 
 async def _overhead(preset: str, mode: str, microbatches: int, log: Callable[[str], None]) -> dict:
-    from agora.swarm.node import NodeOptions, StageNode
-    from agora.swarm.trainer import Trainer
+    from agora.server.node import NodeOptions, StageNode
+    from agora.client.trainer import Trainer
 
     m = load_manifest(preset)
     m = m.with_overrides(stages=[m.model.n_layers // 2, m.model.n_layers - m.model.n_layers // 2])

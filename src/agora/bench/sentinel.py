@@ -2,7 +2,7 @@
 
 Real boundary activations and gradients of the ``tiny`` model stream from honest replicas and one attacker into one
 monitor, for every attack kind at two strengths and both directions, plus clean streams (see
-``agora.security.evaluate``), in two settings:
+``agora.bench.sentinel_eval``), in two settings:
 
 * ``static``: a pool of messages of one model (optionally after ``train_steps`` of training), as before;
 * ``drift``: messages recorded *while the model trains* for ``drift_steps`` optimizer steps, one message per step
@@ -13,7 +13,7 @@ Reported: per attack kind, strength and direction whether the attacker was banne
 messages until the ban), honest bans and message-level precision / recall / F1; clean false-positive rates and
 bans; sender-level precision / recall / F1 per setting and overall. With ``loss_steps``: the final validation loss
 of ``tiny`` trained with one attacking replica behind SENTINEL (and without it) against a clean run at equal
-tokens (``agora.security.loss_impact``).
+tokens (``agora.bench.loss_impact``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from agora.bench.common import markdown_table, write_result
-from agora.security.evaluate import evaluate
-from agora.security.loss_impact import loss_impact
+from agora.bench.sentinel_eval import evaluate
+from agora.bench.loss_impact import loss_impact
 
 
 def run(out: Path, train_steps: int = 50, drift_steps: int = 240, loss_steps: int = 120,

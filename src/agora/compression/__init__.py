@@ -9,7 +9,7 @@
 
 Everything here is pure tensor code: no networking, no hivemind import at module load. The all-reduce is the
 caller's (``DecentralizedAverager`` today); each module's docstring says exactly how to wire it into
-``agora.swarm.averaging``. Bytes per replica per round, for a stage with ``E`` parameter elements:
+``agora.server.averaging.sync``. Bytes per replica per round, for a stage with ``E`` parameter elements:
 dense fp64 ``8E`` (today), fp32 ``4E``, fp16 ``2E``; PowerSGD ``8 * PowerSGD.numel_sent()`` (float64 P/Q);
 sparse ``8 * 3E/N`` once every H steps.
 """

@@ -1,6 +1,6 @@
 """Full all-reduce codecs: which dtype a dense gradient all-reduce puts on the wire.
 
-Why a choice at all: ``agora.swarm.averaging`` averages in float64 (8 bytes per element, twice fp32) because
+Why a choice at all: ``agora.server.averaging.sync`` averages in float64 (8 bytes per element, twice fp32) because
 hivemind's butterfly all-reduce returns each peer ``average - own_part`` (a *delta*, compressed like the input) and
 applies ``local += delta``: only a return path more precise than fp32 makes ``float32(local + delta)`` bit-identical
 on every replica. A cheaper wire dtype therefore costs bit-identity, not just precision:

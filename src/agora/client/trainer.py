@@ -1,0 +1,249 @@
+"""A trainer: streams its data shard into the pipeline and reports the loss.
+
+It sends token ids to a head-stage peer and gets the loss back; activations then travel stage to stage without
+it. Several microbatches stay in flight so stages never wait on the trainer. Accounting is per microbatch:
+submitted, completed, retried, abandoned; tokens count once, when the microbatch completes.
+
+Failures are routed around, not punished blindly: a head peer that fails itself is banned for a while; a head that
+reports trouble further down the pipeline ("retries_exhausted", "no_peers") is only skipped for this microbatch,
+since the head did nothing wrong. Bans are preferences: when every head is banned the microbatch still goes to one
+of them rather than being abandoned. An empty stage makes the trainer wait (with a status line) instead of burning
+its bounded retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+from hivemind import DHT
+
+from agora.config import Manifest
+from agora.data import TokenDataset
+from agora.net import transport
+from agora.net.protocol import BANNABLE, DOWNSTREAM, FWD_BWD, RETRYABLE
+from agora.net.records import ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_bans, read_swarm, trainers_key
+from agora.net.routing import BanList, pick_peer_or_fallback
+from agora.net.transport import RpcError, TransferStats
+
+logger = logging.getLogger("agora.trainer")
+
+
+@dataclass
+class TrainerOptions:
+    in_flight: int = 2
+    max_retries: int = 3
+    call_timeout_s: float = 120.0
+    ban_s: float = 15.0
+    status_every_s: float = 5.0
+    retry_backoff_s: float = 0.5  # pause before retrying a peer this microbatch already tried
+
+
+@dataclass
+class MicrobatchCounts:
+    submitted: int = 0
+    completed: int = 0
+    retried: int = 0
+    abandoned: int = 0
+
+
+@dataclass
+class TrainerStats:
+    tokens: int = 0
+    counts: MicrobatchCounts = field(default_factory=MicrobatchCounts)
+    loss_curve: list[dict] = field(default_factory=list)  # {tokens, loss, wall_s}
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(
+        self,
+        manifest: Manifest,
+        dht: DHT,
+        shard: Optional[TokenDataset],
+        options: Optional[TrainerOptions] = None,
+        data_seed: Optional[int] = None,
+    ):
+        self.manifest = manifest
+        self.dht = dht
+        self.shard = shard
+        self.opts = options or TrainerOptions()
+        self.peer_id = str(dht.peer_id)
+        self.stats = TrainerStats()
+        self.transfer = TransferStats()
+        self.bans = BanList(self.opts.ban_s)
+        self.swarm: list[list[StageRecord]] = [[] for _ in range(manifest.n_stages)]
+        self.inflight: dict[str, int] = {}
+        self.acks: dict[str, int] = {}  # head-stage results received, per head peer (receiver-side accounting)
+        self.banned: set[str] = set()  # peers banned by SENTINEL of BAN_QUORUM publishers (in the DHT)
+        seed = manifest.seed if data_seed is None else data_seed
+        self._batches = shard.batches(manifest.batch.microbatch_size, seed=seed) if shard is not None else None
+        self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="trainer-dht")
+        self._p2p = None
+        self._t0 = time.monotonic()
+        self.started_at = time.time()  # wall-clock anchor of the loss curve's ``wall_s`` (merged across processes)
+        self._empty_since: dict[int, float] = {}
+
+    async def run_io(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def start(self) -> None:
+        self._p2p = await self.dht.replicate_p2p()
+        await self.announce()  # stages of an allow-listed run serve only callers with a (certified) record
+        await self.refresh()
+
+    def close(self) -> None:
+        self._io.shutdown(wait=False)
+
+    async def refresh(self) -> None:
+        m = self.manifest
+        swarm = await self.run_io(read_swarm, self.dht, m.run_id, m.n_stages, m.hash)
+        try:
+            # Heads that the next stage banned for corrupted activations are not sent our data any more.
+            serving = {r.peer_id for stage in swarm for r in stage if r.state == "serving"}
+            self.banned |= await self.run_io(read_bans, self.dht, m.run_id, m.hash, lambda: serving)
+        except Exception as err:
+            logger.debug(f"reading bans failed: {err!r}")
+        self.swarm = [[r for r in stage if r.peer_id not in self.banned] for stage in swarm]
+
+    def empty_stages(self) -> list[int]:
+        return [s for s, recs in enumerate(self.swarm) if not any(r.state == "serving" for r in recs)]
+
+    async def _background(self, stop: asyncio.Event) -> None:
+        last_announce = 0.0
+        while not stop.is_set():
+            try:
+                await self.refresh()
+                if time.monotonic() - last_announce > ANNOUNCE_PERIOD_S:
+                    await self.announce()
+                    last_announce = time.monotonic()
+            except Exception as err:
+                logger.warning(f"trainer DHT refresh failed: {err!r}")
+            await asyncio.sleep(1.0)
+
+    async def announce(self) -> None:
+        loss = self.stats.loss_curve[-1]["loss"] if self.stats.loss_curve else float("nan")
+        value = {"peer_id": self.peer_id, "manifest_hash": self.manifest.hash, "tokens": self.stats.tokens,
+                 "loss": loss, "microbatches": asdict(self.stats.counts)}
+        await self.run_io(announce, self.dht, trainers_key(self.manifest.run_id), self.peer_id, value)
+        if self.acks:
+            acks = {"manifest_hash": self.manifest.hash, "acks": dict(self.acks)}
+            await self.run_io(announce, self.dht, acks_key(self.manifest.run_id), self.peer_id, acks)
+
+    # ------------------------------------------------------------------ one microbatch
+    async def _wait_for_full_pipeline(self, stop: asyncio.Event) -> bool:
+        warned_at = 0.0
+        while not stop.is_set():
+            empty = self.empty_stages()
+            if not empty:
+                return True
+            if time.monotonic() - warned_at > self.opts.status_every_s:
+                logger.warning(f"stage {empty[0]} has no peers; waiting")
+                warned_at = time.monotonic()
+            await asyncio.sleep(0.5)
+            await self.refresh()
+        return False
+
+    async def send(
+        self, batch: torch.Tensor, train: bool = True, stop: Optional[asyncio.Event] = None
+    ) -> Optional[float]:
+        """One microbatch through the pipeline; returns its loss, or None if abandoned after bounded retries."""
+        tokens = batch[:, :-1].to(torch.int32).contiguous()
+        last = batch[:, -1].to(torch.int32).contiguous()
+        meta = {"run_id": self.manifest.run_id, "manifest_hash": self.manifest.hash, "stage": 0, "train": train}
+        tried: list[str] = []
+        for attempt in range(self.opts.max_retries + 1):
+            peer = await self._next_head(tokens.numel(), tried, stop)
+            if peer is None:
+                return None  # stopped, or no head appeared within the call timeout
+            if peer.peer_id in tried:
+                await asyncio.sleep(self.opts.retry_backoff_s * attempt)
+            self.inflight[peer.peer_id] = self.inflight.get(peer.peer_id, 0) + 1
+            try:
+                reply, _ = await transport.call(
+                    self._p2p, peer.peer_id, self.manifest.run_id, FWD_BWD, meta, [tokens, last],
+                    self.opts.call_timeout_s, stats=self.transfer,
+                )
+                self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
+                loss = reply.get("loss")
+                return float(loss) if loss is not None else None
+            except RpcError as err:
+                self.stats.errors[err.code] = self.stats.errors.get(err.code, 0) + 1
+                if err.code not in RETRYABLE and err.code not in DOWNSTREAM:
+                    logger.error(f"microbatch refused by the pipeline: {err}")
+                    return None
+                tried.append(peer.peer_id)
+                if err.code in BANNABLE:
+                    self.bans.ban(peer.peer_id)
+                if attempt == self.opts.max_retries:
+                    logger.warning(f"microbatch via {peer.peer_id[-8:]} failed ({err.code}); giving up after "
+                                   f"{attempt + 1} attempts")
+                    break
+                if train:
+                    self.stats.counts.retried += 1  # counts retries made, not the final failure (that is abandoned)
+                logger.warning(f"microbatch via {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
+            finally:
+                self.inflight[peer.peer_id] -= 1
+        return None
+
+    async def _next_head(
+        self, job_tokens: int, tried: list[str], stop: Optional[asyncio.Event]
+    ) -> Optional[StageRecord]:
+        """A head peer for the next attempt; waits (bounded by the call timeout) while the head stage is empty."""
+        deadline = time.monotonic() + self.opts.call_timeout_s
+        while True:
+            peer = pick_peer_or_fallback(self.swarm[0], job_tokens, tried=tried, bans=self.bans, inflight=self.inflight)
+            if peer is not None or time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                return peer
+            await asyncio.sleep(0.5)
+            await self.refresh()
+
+    async def _one(self, stop: Optional[asyncio.Event] = None) -> None:
+        batch = next(self._batches)
+        self.stats.counts.submitted += 1
+        submitted_s = time.monotonic() - self._t0
+        loss = await self.send(batch, stop=stop)
+        if loss is None or not math.isfinite(loss):
+            self.stats.counts.abandoned += 1
+            return
+        self.stats.counts.completed += 1
+        self.stats.tokens += batch.shape[0] * (batch.shape[1] - 1)
+        self.stats.loss_curve.append({"tokens": self.stats.tokens, "loss": loss, "wall_s": time.monotonic() - self._t0,
+                                      "submitted_s": submitted_s})
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self, stop: asyncio.Event, max_tokens: Optional[int] = None) -> TrainerStats:
+        background = asyncio.create_task(self._background(stop))
+        workers: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set() and (max_tokens is None or self.stats.tokens < max_tokens):
+                if not await self._wait_for_full_pipeline(stop):
+                    break
+                while len(workers) < self.opts.in_flight:
+                    workers.add(asyncio.create_task(self._one(stop)))
+                done, workers = await asyncio.wait(workers, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                workers = set(workers)
+                for task in done:
+                    if task.exception() is not None:
+                        logger.error(f"microbatch task crashed: {task.exception()!r}")
+                        self.stats.counts.abandoned += 1
+        finally:
+            if workers:
+                await asyncio.wait(workers, timeout=self.opts.call_timeout_s)
+            background.cancel()
+            await asyncio.gather(background, return_exceptions=True)
+            await self.announce()
+        return self.stats
+
+    async def evaluate(self, batches: list[torch.Tensor]) -> float:
+        """Validation loss through the swarm (forward only, no gradients, no optimizer effect)."""
+        await self.refresh()
+        losses = [await self.send(b, train=False) for b in batches]
+        losses = [x for x in losses if x is not None]
+        return float(sum(losses) / len(losses)) if losses else float("nan")

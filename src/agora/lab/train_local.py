@@ -1,0 +1,110 @@
+"""Centralized baseline: the whole model in one process, same manifest, data and optimizer as the swarm.
+
+Every swarm benchmark is reported as a ratio against this run, so it counts tokens and CPU time the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from agora.config import Manifest
+from agora.data import build_datasets
+from agora.model import PipelineModel, count_parameters, flops_per_token
+from agora.optim import build_optimizer, set_lr
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (user + system)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@torch.no_grad()
+def evaluate(model: PipelineModel, batches: list[torch.Tensor]) -> float:
+    model.eval()
+    losses = [model.loss(b[:, :-1], b[:, 1:]).item() for b in batches]
+    model.train()
+    return float(sum(losses) / len(losses))
+
+
+def train_local(
+    manifest: Manifest,
+    steps: int,
+    out_dir: Optional[Path] = None,
+    val_batches: int = 8,
+    eval_every: int = 0,
+    threads: Optional[int] = None,
+    on_step: Optional[Callable[[dict], None]] = None,
+) -> dict:
+    """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences; return (and write) the summary."""
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(manifest.seed)
+    train, val, _ = build_datasets(manifest)
+    model = PipelineModel(manifest)
+    opt = build_optimizer(model, manifest.optimizer)
+    mb, target = manifest.batch.microbatch_size, manifest.batch.target_batch_size
+    accum = max(1, target // mb)
+    batches = train.batches(mb, seed=manifest.seed)
+    val_set = val.fixed_batches(mb, val_batches)
+    tokens_per_step = accum * mb * manifest.model.seq_len
+
+    history: list[dict] = []
+    evals: list[dict] = []
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    tokens = 0
+    for step in range(steps):
+        lr = set_lr(opt, manifest.optimizer, step)
+        total = 0.0
+        for _ in range(accum):
+            b = next(batches)
+            loss = model.loss(b[:, :-1], b[:, 1:]) / accum
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), manifest.optimizer.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += tokens_per_step
+        rec = {"step": step, "loss": total, "lr": lr, "tokens": tokens, "wall_s": time.perf_counter() - t0}
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            evals.append({"step": step, "tokens": tokens, "val_loss": evaluate(model, val_set)})
+        history.append(rec)
+        if on_step:
+            on_step(rec)
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    val_loss = evaluate(model, val_set)
+    evals.append({"step": steps - 1, "tokens": tokens, "val_loss": val_loss})
+    summary = {
+        "kind": "train-local",
+        "run_id": manifest.run_id,
+        "manifest_hash": manifest.hash,
+        "residual": manifest.residual.mode,
+        "steps": steps,
+        "tokens": tokens,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_cpu_s": tokens / max(cpu, 1e-9),
+        "threads": torch.get_num_threads(),
+        "train_loss": [r["loss"] for r in history],
+        "history": history,
+        "evals": evals,
+        "val_loss": val_loss,
+        "parameters": count_parameters(manifest)["total"],
+        "flops_per_token": flops_per_token(manifest),
+    }
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        from agora.lab.report import write_local_report
+
+        write_local_report(summary, out_dir)
+    return summary

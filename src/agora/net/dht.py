@@ -1,0 +1,178 @@
+"""Process-level plumbing every role shares: joining the DHT, the run's manifest check, and a clean shutdown.
+
+Kept apart from the stage server and the trainer so both join a run the same way and fail the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Optional, Sequence
+
+os.environ.setdefault("USE_LEGACY_BFLOAT16", "0")  # before hivemind is imported: keep bf16 at 2 bytes on the wire
+
+from hivemind import DHT  # noqa: E402
+
+from agora.config import Manifest  # noqa: E402
+from agora.net.records import announce, bind_owner_key, manifest_key, read_subkeys  # noqa: E402
+
+logger = logging.getLogger("agora")
+
+EXIT_MANIFEST_MISMATCH = 3
+EXIT_UNREACHABLE = 4
+EXIT_CREDENTIALS = 5
+
+
+class JoinError(RuntimeError):
+    """Joining the run failed; ``exit_code`` says how the process should exit."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def make_dht(
+    initial_peers: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    port: int = 0,
+    announce_host: Optional[str] = None,
+    identity: Optional[str] = None,
+    client_mode: bool = False,
+    manifest: Optional[Manifest] = None,
+    certificate: Optional[str] = None,
+    writes: bool = True,
+    netns: Optional[str] = None,
+) -> DHT:
+    """Start this process's DHT node (hivemind runs it in a child process with its own libp2p daemon).
+
+    ``host`` defaults to loopback for local runs; real swarms pass ``--host 0.0.0.0 --announce-host PUBLIC_IP``
+    because hivemind otherwise announces an address nobody outside can dial.
+
+    With a ``manifest`` the DHT enforces the run's record rules (``agora.trust.credentials``): every record it
+    writes is signed by the peer's identity key, records it reads or stores are checked, and in an allow-listed run
+    only certified keys can write. Every peer of a run, readers included, needs them: signed values carry their
+    signature, which only the validators strip. ``certificate`` is the authority's certificate file for
+    ``identity``; ``writes=False`` marks a read-only client (no certificate needed).
+
+    ``netns``: fork the DHT process (and so its libp2p daemon) inside this named network namespace while the
+    calling process stays where it is (see :func:`agora.lab.netem.entered`). The emulated-WAN demo uses it for
+    processes that must be reachable from the host (the dashboard's web page) or that read the swarm from outside
+    (the demo itself), yet must reach peers that only exist inside namespaces. ``host`` must then be the
+    namespace's address. The DHT object is built first, outside, so that hivemind's result-pipe thread (started
+    once per process by the first MPFuture) is not born inside the namespace.
+    """
+    if announce_host and not port:
+        raise JoinError("--announce-host needs a fixed --port: the announced address must name the port", 2)
+    creds = None
+    if manifest is not None:
+        from agora.trust.credentials import CredentialError, load_credentials
+
+        try:
+            creds = load_credentials(manifest, identity, certificate, writes=writes)
+        except CredentialError as err:
+            raise JoinError(str(err), EXIT_CREDENTIALS) from None
+    try:
+        dht = _start_dht(initial_peers, host, port, announce_host, identity, client_mode, manifest, creds, netns)
+    finally:
+        if creds is not None:
+            creds.discard_ephemeral()  # the daemon has read it; an ephemeral key never outlives the process
+    if creds is not None:
+        if str(dht.peer_id) != creds.peer_id:  # records would name a peer id the key cannot sign for
+            dht.shutdown()
+            raise JoinError(f"identity {creds.identity_path}: the DHT came up as {dht.peer_id}, not as the key's "
+                            f"peer id {creds.peer_id}", EXIT_CREDENTIALS)
+        bind_owner_key(dht, creds.key)
+    return dht
+
+
+def _start_dht(initial_peers, host, port, announce_host, identity, client_mode, manifest, creds, netns) -> DHT:
+    kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity, client_mode=client_mode)
+    if creds is not None:
+        from agora.trust.credentials import record_validators
+
+        kwargs["identity_path"] = creds.identity_path
+        kwargs["record_validators"] = record_validators(manifest, creds)
+        if creds.ephemeral_dir:
+            kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's; skip the probe
+    if announce_host:
+        kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
+    if netns is None:
+        try:
+            return DHT(initial_peers=list(initial_peers), start=True, **kwargs)
+        except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
+            raise _join_error(initial_peers, err) from err
+    from agora.net.netns import entered
+
+    dht = DHT(initial_peers=list(initial_peers), start=False, **kwargs)
+    with entered(netns):  # a failure to enter is a setup error, not a join error: it propagates as is
+        dht.start()  # fork only: the child inherits this thread's namespace
+    try:
+        dht.wait_until_ready(timeout=120)
+    except Exception as err:
+        dht.shutdown()
+        raise _join_error(initial_peers, err) from err
+    return dht
+
+
+def _join_error(initial_peers: Sequence[str], err: Exception) -> JoinError:
+    peers = ", ".join(initial_peers) or "(none)"
+    return JoinError(
+        f"could not join the swarm through {peers}: {err}. Check that the address is a full multiaddr "
+        f"ending in /p2p/<peer id> (as printed by `agora bootstrap`), that the peer is running, and that its "
+        f"port is reachable from this machine (firewall / NAT).",
+        EXIT_UNREACHABLE,
+    )
+
+
+def visible_maddrs(dht: DHT) -> list[str]:
+    return [str(a) for a in dht.get_visible_maddrs()]
+
+
+def check_run_manifest(dht: DHT, manifest: Manifest, publish: bool = False) -> None:
+    """Refuse to take part in a run whose announced manifest differs from ours.
+
+    The first peer (the bootstrap) publishes the manifest hash under the run id; every later peer compares. A
+    mismatch is a configuration error that must stop the process: silently training a different model would
+    corrupt the run.
+    """
+    announced = {sub: v for sub, v in read_subkeys(dht, manifest_key(manifest.run_id)).items() if isinstance(v, dict)}
+    others = sorted({v.get("hash") for v in announced.values() if v.get("hash") and v.get("hash") != manifest.hash})
+    if others:
+        raise JoinError(
+            f"manifest mismatch for run {manifest.run_id!r}: the swarm uses manifest hash {others[0]}, yours is "
+            f"{manifest.hash}. Fetch the run's manifest from its organiser (`agora manifest FILE` prints the hash).",
+            EXIT_MANIFEST_MISMATCH,
+        )
+    if publish:
+        publish_manifest(dht, manifest)
+
+
+def publish_manifest(dht: DHT, manifest: Manifest, ttl: float = 60.0) -> None:
+    announce(dht, manifest_key(manifest.run_id), str(dht.peer_id), {"hash": manifest.hash}, ttl=ttl)
+
+
+def install_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT start a graceful leave. hivemind leaves SIGINT ignored in some paths; we take it back."""
+
+    def _stop(signame: str) -> None:
+        if not stop.is_set():
+            logger.info(f"received {signame}: leaving gracefully")
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, _stop, sig.name)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests run nodes in threads)
+            pass
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("agora").setLevel(getattr(logging, level.upper(), logging.INFO))
+

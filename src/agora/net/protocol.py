@@ -1,0 +1,37 @@
+"""What peers say to each other: RPC names and how a caller treats each error code.
+
+Shared by both ends (``agora.client`` calls, ``agora.server`` answers), so neither imports the other. The message
+formats themselves are in ``docs/ARCHITECTURE.md`` ("Messages between nodes"); the framing is ``agora.net.transport``.
+"""
+
+from __future__ import annotations
+
+from agora.net import transport
+
+FWD_BWD = "fwd_bwd"  # one microbatch's forward through the rest of the pipeline and its backward on the way back
+GET_STATE = "get_state"  # parameters and optimizer moments of a stage (a joining or repairing replica)
+INFO = "info"  # a peer's record and recent events (dashboard, status)
+
+# Failures of a peer that justify retrying the microbatch on another replica. Validation errors (our request was
+# bad) are not retried: another replica would refuse it the same way.
+RETRYABLE = frozenset({
+    transport.TIMEOUT,
+    transport.UNREACHABLE,
+    transport.NO_HANDLER,
+    transport.CONNECTION_LOST,
+    transport.INTERNAL,
+    "leaving",
+    "not_serving",
+    "no_peers",
+    "banned",  # the peer was banned by SENTINEL somewhere: route around it
+    "sentinel",  # a message on this path was flagged as corrupted
+    "rate_limited",
+})
+# Of those, the ones that say the peer itself is broken or unreachable: it is banned for a while. A peer that is
+# leaving or not yet serving is healthy; routing just skips it for this microbatch.
+BANNABLE = frozenset({
+    transport.TIMEOUT, transport.UNREACHABLE, transport.NO_HANDLER, transport.CONNECTION_LOST, transport.INTERNAL,
+})
+# Codes with which a head reports a failure downstream of it, or that a moment fixes (``unauthorized``: the caller's
+# certified record has not reached the callee's DHT view yet): a trainer retries them (bounded) but bans nobody.
+DOWNSTREAM = frozenset({"retries_exhausted", "no_peers", "unauthorized"})

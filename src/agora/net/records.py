@@ -1,0 +1,181 @@
+"""What peers announce in the DHT, and how to read it back.
+
+One DHT key per (run, stage) with one subkey per peer, so records expire independently: a crashed peer vanishes
+when its record's short expiry passes, without anyone deleting it. Values are small dicts (a few hundred bytes).
+Every record carries the manifest hash; readers drop records of another manifest, so two runs (or a stale
+manifest) that share a DHT never mix.
+
+Ownership: a DHT made for a run (``agora.net.dht.make_dht`` with a manifest) has the peer's signing key bound to
+it (``bind_owner_key``). ``announce`` then writes under ``owner_subkey(peer_id, key)``, which hivemind's
+``RSASignatureValidator`` only accepts with that key's signature, and ``agora.trust.identity`` checks that the
+peer id is the key's own. Readers get plain peer ids back (``read_subkeys`` strips the owner marker).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Callable, Optional
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from agora.trust.identity import owner_subkey, subkey_peer_id
+
+RECORD_TTL_S = 8.0  # a record lives this long unless refreshed; ~3x the announce period
+ANNOUNCE_PERIOD_S = 2.5
+
+
+class PeerState(str, Enum):
+    """Lifecycle of a stage peer. Only ``serving`` peers get routed work."""
+
+    JOINING = "joining"  # process up, stage chosen, no weights yet
+    SYNCING = "syncing"  # downloading parameters and optimizer state from a replica
+    SERVING = "serving"  # accepting forward/backward work
+    LEAVING = "leaving"  # draining in-flight work before exit; routers must stop sending
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}_stage{stage}"
+
+
+def trainers_key(run_id: str) -> str:
+    return f"{run_id}_trainers"
+
+
+def manifest_key(run_id: str) -> str:
+    return f"{run_id}_manifest"
+
+
+def acks_key(run_id: str) -> str:
+    return f"{run_id}_acks"
+
+
+def bans_key(run_id: str) -> str:
+    return f"{run_id}_bans"
+
+
+@dataclass
+class StageRecord:
+    """A stage peer's announcement. ``throughput`` is tokens/s of compute (EMA), ``queue`` jobs waiting."""
+
+    peer_id: str
+    stage: int
+    state: str
+    manifest_hash: str
+    throughput: float = 0.0
+    queue: int = 0
+    step: int = 0
+    samples: int = 0  # samples accumulated toward the next optimizer step
+    fingerprint: float = 0.0  # checksum of the parameters after ``step`` (replicas must agree)
+    averaging_step: int = -1  # the step this peer is averaging gradients for right now (-1: not averaging)
+    addrs: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    updated: float = 0.0
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> Optional["StageRecord"]:
+        if not isinstance(value, dict):
+            return None
+        try:
+            return cls(**{k: value[k] for k in cls.__dataclass_fields__ if k in value})
+        except TypeError:
+            return None
+
+
+@dataclass
+class TrainerRecord:
+    peer_id: str
+    manifest_hash: str
+    tokens: int = 0
+    loss: float = float("nan")
+    microbatches: dict[str, int] = field(default_factory=dict)
+    updated: float = 0.0
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DHT_TIMEOUT_S = 10.0  # every DHT call is bounded: a thread blocked forever on a dead DHT process blocks exit
+
+
+_OWNER_KEYS: "weakref.WeakKeyDictionary[DHT, Any]" = weakref.WeakKeyDictionary()
+
+
+def bind_owner_key(dht: DHT, key: Any) -> None:
+    """Sign every record ``dht`` writes with ``key`` (an ``RSAPrivateKey``, the key of the DHT's own peer id)."""
+    _OWNER_KEYS[dht] = key
+
+
+def announce(dht: DHT, key: str, subkey: str, value: dict, ttl: float = RECORD_TTL_S) -> bool:
+    value = dict(value, updated=time.time())
+    owner = _OWNER_KEYS.get(dht)
+    stored_subkey: Any = subkey if owner is None else owner_subkey(subkey, owner)
+    future = dht.store(key, subkey=stored_subkey, value=value, expiration_time=get_dht_time() + ttl,
+                       return_future=True)
+    return bool(future.result(timeout=DHT_TIMEOUT_S))
+
+
+def read_subkeys(dht: DHT, key: str, latest: bool = True) -> dict[str, Any]:
+    """All live subkey values of ``key`` as {peer id: value}; empty when the key is unknown.
+
+    Owner-signed subkeys (``peer_id[owner:ssh-rsa ...]``) are reported by their peer id: the validators already
+    checked the signature and that the key is that peer's.
+    """
+    found = dht.get(key, latest=latest, return_future=True).result(timeout=DHT_TIMEOUT_S)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {subkey_peer_id(sub): item.value for sub, item in found.value.items()}
+
+
+def read_stage(dht: DHT, run_id: str, stage: int, manifest_hash: str) -> list[StageRecord]:
+    """Live records of ``stage`` that belong to this manifest."""
+    out = []
+    for value in read_subkeys(dht, stage_key(run_id, stage)).values():
+        rec = StageRecord.from_value(value)
+        if rec is not None and rec.manifest_hash == manifest_hash and rec.stage == stage:
+            out.append(rec)
+    return out
+
+
+def read_swarm(dht: DHT, run_id: str, n_stages: int, manifest_hash: str) -> list[list[StageRecord]]:
+    return [read_stage(dht, run_id, s, manifest_hash) for s in range(n_stages)]
+
+
+# Distinct publishers whose SENTINEL banned a peer before the rest of the swarm (trainers, averaging groups) drops
+# it. One publisher is not enough: one receiver's mistaken ban would exclude a peer everywhere, and a lone malicious
+# peer could publish bans of every honest peer. Readers count only publishers that serve a stage of the run (and,
+# in allow-listed runs, only certified ones write records at all); in an open run one person with two serving
+# peers still meets the quorum. The publisher's own bans always apply to itself.
+BAN_QUORUM = 2
+
+
+def read_bans(dht: DHT, run_id: str, manifest_hash: str, publishers: Optional[Callable[[], set]] = None,
+              quorum: int = BAN_QUORUM) -> set[str]:
+    """Peers that at least ``quorum`` other peers of the run have banned for corrupted messages. ``publishers``:
+    returns the peers whose bans count (e.g. those serving a stage); called only when someone published a ban, so
+    a run without bans pays one DHT read. Used to keep banned peers out of routing and averaging groups."""
+    published = read_subkeys(dht, bans_key(run_id))
+    if not published:
+        return set()
+    return quorate_bans(published, manifest_hash, publishers() if publishers is not None else None, quorum)
+
+
+def quorate_bans(published: dict, manifest_hash: str, publishers: Optional[set] = None,
+                 quorum: int = BAN_QUORUM) -> set[str]:
+    """``published``: publisher peer id -> its bans record. The peers banned by >= ``quorum`` distinct publishers
+    (only those in ``publishers`` when given; a publisher's ban of itself does not count)."""
+    votes: dict[str, set[str]] = {}
+    for publisher, value in published.items():
+        if publishers is not None and publisher not in publishers:
+            continue
+        if isinstance(value, dict) and value.get("manifest_hash") == manifest_hash:
+            for p in value.get("banned", []):
+                if str(p) != publisher:
+                    votes.setdefault(str(p), set()).add(publisher)
+    return {p for p, by in votes.items() if len(by) >= quorum}

@@ -1,0 +1,230 @@
+"""Prometheus ``/metrics`` for one stage node.
+
+Two kinds of numbers, fed two different ways so that a node pays (almost) nothing for being observed:
+
+* Counters and gauges the node already keeps (``node.counters``, ``stats_in``/``stats_out``, ``step``, ``state``,
+  ``loss_ema``, the averager's round counts) are *read at scrape time* by a custom collector. Nothing is added to
+  the hot path, and the values can never drift from what the node itself reports in its DHT record.
+* Latency distributions cannot be reconstructed from totals, so forward/backward times and averaging-round times
+  are recorded into histograms through the node's observer hooks (``compute_observers`` and the averager's
+  ``round_observers``). ``node.sync`` only exists after ``node.start()``, while metrics are served before it (so a
+  slow start is observable), hence the round observer is attached lazily by a tiny watcher thread.
+
+Each server owns a private ``CollectorRegistry``: several nodes in one process (tests) never share or collide on
+metric names, and the process-global registry's default collectors (GC, platform) stay out of node metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    StateSetMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from agora.net.records import PeerState
+
+if TYPE_CHECKING:
+    from agora.server.node import StageNode
+
+# Compute on a tiny CPU model takes milliseconds; a stage of an 8B model on a slow GPU takes seconds.
+COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+MICROBATCH_KINDS = ("forward", "backward", "eval", "failed", "retried", "rejected")
+
+
+def boundary_names(node: "StageNode") -> tuple[str, Optional[str]]:
+    """(upstream boundary, downstream boundary) labels, e.g. ``("0->1", "1->2")``; the head's upstream is the trainer."""
+    s = node.stage_index
+    upstream = "trainer->0" if node.is_head else f"{s - 1}->{s}"
+    downstream = None if node.is_tail else f"{s}->{s + 1}"
+    return upstream, downstream
+
+
+class NodeCollector(Collector):
+    """Reads the node's own counters at scrape time (one dict copy per scrape; nothing on the hot path)."""
+
+    def __init__(self, node: "StageNode"):
+        self.node = node
+
+    def collect(self) -> Iterator[Any]:
+        n = self.node
+        c = n.counters
+        labels = {"run_id": n.manifest.run_id, "manifest_hash": n.manifest.hash,
+                  "peer_id": n.peer_id, "stage": str(n.stage_index)}
+        yield InfoMetricFamily("agora_peer", "Identity of this peer: run, manifest, peer id, stage.", value=labels)
+
+        yield CounterMetricFamily("agora_tokens", "Training tokens this stage computed a forward for.",
+                                  value=c.tokens)
+        mb = CounterMetricFamily("agora_microbatches", "Microbatches by what happened to them on this stage.",
+                                 labels=["kind"])
+        for kind in MICROBATCH_KINDS:
+            mb.add_metric([kind], getattr(c, kind))
+        yield mb
+        rejected = CounterMetricFamily("agora_rejected_microbatches", "Requests refused by validation, by code.",
+                                       labels=["code"])
+        for code, count in sorted(dict(c.rejected_by_code).items()):
+            rejected.add_metric([code], count)
+        yield rejected
+        yield CounterMetricFamily("agora_compute_busy_seconds", "Seconds the compute thread spent on fwd/bwd.",
+                                  value=c.busy_s)
+
+        payload = CounterMetricFamily("agora_boundary_payload_bytes",
+                                      "Tensor payload bytes per pipeline boundary and direction (from this peer).",
+                                      labels=["boundary", "direction"])
+        wire = CounterMetricFamily("agora_boundary_wire_bytes",
+                                   "Serialized protobuf bytes per pipeline boundary and direction.",
+                                   labels=["boundary", "direction"])
+        calls = CounterMetricFamily("agora_boundary_calls", "RPCs per pipeline boundary (served or made).",
+                                    labels=["boundary"])
+        upstream, downstream = boundary_names(n)
+        for boundary, stats in ((upstream, n.stats_in), (downstream, n.stats_out)):
+            if boundary is None:
+                continue
+            payload.add_metric([boundary, "sent"], stats.payload_bytes_sent)
+            payload.add_metric([boundary, "received"], stats.payload_bytes_received)
+            wire.add_metric([boundary, "sent"], stats.wire_bytes_sent)
+            wire.add_metric([boundary, "received"], stats.wire_bytes_received)
+            calls.add_metric([boundary], stats.calls)
+        yield payload
+        yield wire
+        yield calls
+
+        yield GaugeMetricFamily("agora_queue_depth", "Jobs waiting for or running on the compute thread.",
+                                value=n._queue)
+        yield GaugeMetricFamily("agora_inflight_microbatches", "Microbatches between their forward and backward.",
+                                value=n.inflight)
+        yield GaugeMetricFamily("agora_throughput_tokens_per_second", "Compute throughput (EMA), as announced.",
+                                value=n.throughput)
+        yield GaugeMetricFamily("agora_optimizer_step", "Optimizer steps taken by this stage.", value=n.step)
+        yield GaugeMetricFamily("agora_accumulated_samples", "Samples accumulated toward the next step.",
+                                value=n.samples)
+        if n.is_tail and not math.isnan(n.loss_ema):
+            yield GaugeMetricFamily("agora_loss_ema", "Training loss (EMA) seen by the tail stage.", value=n.loss_ema)
+        yield StateSetMetricFamily("agora_peer_state", "Lifecycle state of this peer.",
+                                   value={s.value: n.state == s for s in PeerState})
+
+        sync = n.sync
+        if sync is not None:
+            rounds = CounterMetricFamily("agora_averaging_rounds",
+                                         "Optimizer steps by how their gradient was obtained.", labels=["outcome"])
+            rounds.add_metric(["ok"], sync.rounds_ok)
+            rounds.add_metric(["failed"], sync.rounds_failed)
+            rounds.add_metric(["local"], sync.local_steps)
+            yield rounds
+            yield CounterMetricFamily("agora_state_resyncs", "State downloads from replicas.", value=sync.resyncs)
+            yield CounterMetricFamily("agora_averaging_bytes_sent",
+                                      "All-reduce payload bytes this replica sent to its round partners.",
+                                      value=sync.bytes_sent)
+
+        acks = CounterMetricFamily("agora_acknowledged_results",
+                                   "Results this peer received from each downstream peer (receiver-side acks).",
+                                   labels=["downstream_peer"])
+        for peer, count in sorted(dict(n.acks).items()):
+            acks.add_metric([peer], count)
+        yield acks
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint; ``close()`` stops it and detaches its observers from the node."""
+
+    node: "StageNode"
+    registry: CollectorRegistry
+    host: str
+    port: int
+    _httpd: Any
+    _thread: threading.Thread
+    _hooks: "_Hooks"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._hooks.close()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+class _Hooks:
+    """Histograms fed by the node's observer hooks; attaches to ``node.sync`` as soon as it exists."""
+
+    def __init__(self, node: "StageNode", registry: CollectorRegistry):
+        self.node = node
+        self.compute = Histogram("agora_compute_seconds", "Forward/backward compute time of one microbatch.",
+                                 ["kind"], buckets=COMPUTE_BUCKETS, registry=registry)
+        self.rounds = Histogram("agora_averaging_round_seconds",
+                                "Duration of one optimizer step (all-reduce included), by outcome.",
+                                ["outcome"], buckets=ROUND_BUCKETS, registry=registry)
+        self._lock = threading.Lock()
+        self._sync: Any = None
+        self._closed = threading.Event()
+        node.compute_observers.append(self.on_compute)
+        self.attach()  # already started (tests, late metrics): no need to wait for the watcher
+        self._watcher = threading.Thread(target=self._watch, name="metrics-attach", daemon=True)
+        self._watcher.start()
+
+    def on_compute(self, kind: str, seconds: float, tokens: int) -> None:
+        self.compute.labels(kind).observe(seconds)
+
+    def on_round(self, ok: bool, seconds: float, group_size: int) -> None:
+        self.rounds.labels("ok" if ok else "failed").observe(seconds)
+
+    def attach(self) -> bool:
+        """Attach the round observer to the node's current averager; True once attached (idempotent)."""
+        with self._lock:
+            sync = self.node.sync
+            if sync is None or self._closed.is_set():
+                return False
+            if sync is not self._sync:
+                if self._sync is not None and self.on_round in self._sync.round_observers:
+                    self._sync.round_observers.remove(self.on_round)
+                sync.round_observers.append(self.on_round)
+                self._sync = sync
+            return True
+
+    def _watch(self) -> None:
+        if self._sync is not None:
+            return
+        # Rounds need accumulated samples, which need a serving node, which needs start() to have set node.sync
+        # well before: a 0.2 s poll never misses the first round.
+        while not self._closed.wait(0.2):
+            if self.attach():
+                return
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self.on_compute in self.node.compute_observers:
+                self.node.compute_observers.remove(self.on_compute)
+            if self._sync is not None and self.on_round in self._sync.round_observers:
+                self._sync.round_observers.remove(self.on_round)
+        self._watcher.join(timeout=1)
+
+
+def serve_node_metrics(node: "StageNode", port: int, host: str = "127.0.0.1") -> MetricsServer:
+    """Serve Prometheus metrics of ``node`` at ``http://host:port/metrics`` (``port=0``: any free port).
+
+    The default host is loopback: metrics name peers and volumes, so exposing them is an explicit choice
+    (``agora node --host 0.0.0.0`` binds metrics to the same address as the node).
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    hooks = _Hooks(node, registry)
+    registry.register(NodeCollector(node))
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except Exception:
+        hooks.close()
+        raise
+    return MetricsServer(node, registry, host, int(httpd.server_port), httpd, thread, hooks)

@@ -1,0 +1,148 @@
+"""hivemind pieces behind the averaging schemes of ``agora.server.averaging.sync``: a byte counter, a two-phase averager.
+
+``CountingCompression`` is hivemind's ``NoCompression`` that also counts the payload bytes it serializes. In a
+butterfly all-reduce a peer serializes exactly the parts of its tensors it sends to the other reducers, so the
+counter measures what this peer put on the wire per round (the averaged deltas the reducers send back are the same
+size as the parts they received; hivemind serializes those through its own codec table, so they are not counted).
+The counter is a shared-memory integer: the all-reduce runs in the averager's background process, and the
+``ReplicaSync`` in the node's process reads it.
+
+``PowerSGDAverager`` runs both all-reduces of a PowerSGD round (P with the uncompressed tensors, then Q) in *one*
+matchmade group. Why one group: ``P^ = orthogonalize(mean P)`` differs with the group, and ``update = P^ mean(Q)^T``
+is only the same on every replica if every replica averaged P and Q over the same members. hivemind matchmaking
+hands out one group per ``step()``, so both phases run inside one ``_aggregate_with_group`` (the approach of
+hivemind's ``PowerSGDGradientAverager``), under two sub-group ids registered together.
+
+The division of work: the node's process does everything that involves the error buffers (``PowerSGD.compress_p``
+before the round, ``PowerSGD.decompress`` after it), and hands the averager the phase-1 payload plus ``M = G + E``
+in shared memory. Between the phases the averager process needs only ``P`` and ``M``: it orthogonalizes the
+averaged ``P`` in place and writes ``Q = M^T P^`` into the phase-2 buffers. After the round the buffers hold
+``P^``, the averaged passthrough tensors and the averaged ``Q``.
+
+Bit-identity: hivemind returns each peer ``local + (average - local)``, which in float64 can differ between peers
+in the last bit. The averaged ``P`` and ``Q`` are therefore rounded to float32 (and kept in float64 buffers) before
+they are used: the rounding maps all those nearly-equal values to the same one (except, rarely, a value right at a
+float32 rounding boundary; the fingerprint repair of ``ReplicaSync`` covers that, as it does for ``full``), so
+``P^``, ``Q`` and the update are computed from identical inputs on every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+from typing import Any, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.compression import CompressionInfo, NoCompression
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import enter_asynchronously
+
+from agora.compression.powersgd import orthogonalize
+
+PHASE_P = b".P"
+PHASE_Q = b".Q"
+
+
+class CountingCompression(NoCompression):
+    """``NoCompression`` that adds the size of every serialized payload to a counter shared across processes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sent = mp.Value("q", 0)
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        message = super().compress(tensor, info, allow_inplace)
+        with self._sent.get_lock():
+            self._sent.value += len(message.buffer)
+        return message
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this peer serialized for other peers so far, all rounds together."""
+        return int(self._sent.value)
+
+
+def canonical_(tensor: torch.Tensor) -> torch.Tensor:
+    """Round to float32 in place (the buffer keeps its dtype): equal up to last-bit noise -> equal (see module doc)."""
+    return tensor.copy_(tensor.float())
+
+
+class PowerSGDAverager(DecentralizedAverager):
+    """A ``DecentralizedAverager`` whose one round is a full PowerSGD round over one group.
+
+    :param phase1: float64 buffers all-reduced first: one ``P`` (n x r) per compressed tensor, then the
+      passthrough tensors (averaged in full)
+    :param qs: float64 buffers of the second phase, one ``Q`` (m x r) per compressed tensor
+    :param matrices: float64 ``M`` (n x m) per compressed tensor, written by the caller before each round and only
+      read here (shared memory, not averaged)
+    Every other keyword goes to ``DecentralizedAverager``; ``start=True`` must come last (the buffers have to be in
+    shared memory before the background process starts).
+    """
+
+    def __init__(self, phase1: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], matrices: Sequence[torch.Tensor],
+                 dht: Any, **kwargs: Any):
+        if len(qs) != len(matrices):
+            raise ValueError(f"{len(qs)} Q buffers for {len(matrices)} matrices")
+        self.n_phase1 = len(phase1)
+        self.n_compressed = len(qs)
+        self.matrices = tuple(m.share_memory_() for m in matrices)
+        super().__init__([*phase1, *qs], dht, **kwargs)
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo):
+        """Register both phases' group ids for the whole round, so a fast peer's phase-2 parts are never refused."""
+        ids = [group_info.group_id + PHASE_P, group_info.group_id + PHASE_Q]
+        try:
+            for group_id in ids:
+                self._running_groups[group_id] = asyncio.Future()
+            self._pending_groups_registered.set()
+            yield
+        finally:
+            for group_id in ids:
+                self._running_groups.pop(group_id, None)
+            self._pending_groups_registered.set()
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        """Phase 1 (P + passthrough), orthogonalize, ``Q = M^T P^``, phase 2 (Q); in place, in one group.
+
+        On failure the phase-1 buffers are restored before re-raising: hivemind may retry the round with another
+        group, and that retry must start from this replica's own P, not from a half-averaged or orthogonalized one.
+        """
+        kwargs.pop("tensor_infos", None)  # hivemind's infos cover both phases' tensors; each phase derives its own
+        try:
+            bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+            modes = tuple(map(AveragingMode, mode_ids))
+            download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes)]
+            fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, download, min_vector_size
+            )
+            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_gathered_bytes)))
+        except BaseException as err:
+            raise MatchmakingException(f"could not read the group's metadata: {err!r}") from err
+
+        async with enter_asynchronously(self.get_tensors()) as tensors:
+            phase1, qs = list(tensors[: self.n_phase1]), list(tensors[self.n_phase1:])
+            saved = [t.clone() for t in phase1]
+            try:
+                await self._run_allreduce_inplace_(phase1, group_info, group_info.group_id + PHASE_P,
+                                                   peer_fractions=fractions, **kwargs)
+                for p, q, m in zip(phase1[: self.n_compressed], qs, self.matrices):
+                    p.copy_(orthogonalize(canonical_(p)))
+                    torch.matmul(m.T, p, out=q)
+                await self._run_allreduce_inplace_(qs, group_info, group_info.group_id + PHASE_Q,
+                                                   peer_fractions=fractions, **kwargs)
+                for q in qs:
+                    canonical_(q)
+                return gathered
+            except BaseException as err:
+                for t, s in zip(phase1, saved):
+                    t.copy_(s)
+                if isinstance(err, asyncio.CancelledError):
+                    raise
+                raise MatchmakingException(f"PowerSGD all-reduce failed: {err!r}") from err
