@@ -41,7 +41,7 @@ async def _train(man, steps: int, check_each_step=None):
         for step in range(1, steps + 1):
             sent = await asyncio.gather(*(trainer.send(b) for b in data))
             assert all(x is not None for x in sent), sent
-            await _wait(lambda: all(n.step >= step and n.samples == 0 for n in nodes), 40, f"step {step}")
+            await _wait(lambda: all(n.step >= step and n.runtime.samples == 0 for n in nodes), 40, f"step {step}")
             if check_each_step is not None:
                 await check_each_step(heads, step)
         losses.append(await trainer.evaluate(val))
@@ -72,7 +72,7 @@ async def _check_and_break_a_round(heads, step):
                 # A round that fails for the whole group, like a matchmaking timeout: every member is in it (so
                 # none sees the other step first and follows by download), then it ends without a result.
                 sync._average = real
-                await sync.node.run_compute(sync._load_buffers, grads, sync.node.step)  # payload built, then lost
+                await sync.ctx.run_compute(sync._load_buffers, grads, sync.ctx.runtime.step)  # payload built, then lost
                 entered.append(sync)
                 if len(entered) == len(heads):
                     both_in.set()
@@ -199,16 +199,17 @@ SPARSE = BASE.with_overrides(**{"averaging": {"scheme": "sparse", "rho": 0.5, "e
 def _feed(node, seed: int, samples: int = 8) -> None:
     """Compute thread: what backwards of ``samples`` sequences leave behind (a seeded fake gradient)."""
     g = torch.Generator().manual_seed(seed)
-    for p in node.stage.parameters():
+    rt = node.runtime
+    for p in rt.stage.parameters():
         p.grad = torch.randn(p.shape, generator=g) * 0.1
-    node.samples += samples
-    node.last_sample_time = time.monotonic()
+    rt.samples += samples
+    rt.last_sample_time = time.monotonic()
 
 
 def _state(node) -> dict:
     out = {}
     for name, p in node.stage.named_parameters():
-        st = node.optimizer.state[p]
+        st = node.runtime.optimizer.state[p]
         out[name] = [p.detach().reshape(-1).clone(), st["exp_avg"].reshape(-1).clone(),
                      st["exp_avg_sq"].reshape(-1).clone()]
     return out
@@ -285,7 +286,7 @@ def test_sparse_swarm_learns_without_state_downloads():
             for wave in range(6):
                 sent = await asyncio.gather(*(trainer.send(x) for x in data))
                 assert all(x is not None for x in sent), sent
-                await _wait(lambda: all(n.samples == 0 for n in nodes), 30, f"wave {wave} stepped")
+                await _wait(lambda: all(n.runtime.samples == 0 for n in nodes), 30, f"wave {wave} stepped")
             heads = [n for n in nodes if n.stage_index == 0]
             await _wait(lambda: all(h.sync._sparse_task is None or h.sync._sparse_task.done() for h in heads), 30,
                         "background rounds to finish")

@@ -65,7 +65,7 @@ class Cluster:
         self.dhts.append(dht)
         node = StageNode(MAN, stage, dht, opts)
         if resume is not None:
-            node.import_state(*load_stage_checkpoint(resume, MAN, stage))
+            node.runtime.import_state(*load_stage_checkpoint(resume, MAN, stage))
         self.nodes.append(node)
         await node.start()
         return node
@@ -76,7 +76,7 @@ class Cluster:
             if task is not None:
                 task.cancel()
         node.dht.shutdown()  # its libp2p daemon goes with it: every stream to this peer breaks
-        for sync in node._syncs:
+        for sync in node.syncs:
             sync.shutdown()
         self.nodes.remove(node)
         self.crashed.append(node)
@@ -240,7 +240,7 @@ def test_joining_peer_takes_the_weakest_stage_and_its_replicas_state_before_serv
             joiner = await c.add(stage, opts)
             assert joiner.state == PeerState.SERVING
             moved = max((p - q).abs().max().item() for p, q in zip(fresh.parameters(), tail.stage.parameters()))
-            opt_diff = max((joiner.optimizer.state[p]["exp_avg"] - tail.optimizer.state[q]["exp_avg"]).abs().max().item()
+            opt_diff = max((joiner.runtime.optimizer.state[p]["exp_avg"] - tail.runtime.optimizer.state[q]["exp_avg"]).abs().max().item()
                            for p, q in zip(joiner.stage.parameters(), tail.stage.parameters()))
             return stage, joiner.step, tail.step, _max_diff(joiner, tail), moved, opt_diff, joiner.sync.resyncs
 
@@ -262,13 +262,13 @@ def test_peer_moves_to_the_bottleneck_stage_and_back_if_it_cannot_sync(monkeypat
         async with cluster() as c:
             tail = await c.add(1, plain)
             # Give the tail a state of its own (as if trained), so that a mover's copy is verifiable.
-            step, names, tensors = tail.export_state()
+            step, names, tensors = tail.runtime.export_state()
             g = torch.Generator().manual_seed(3)
             tensors = [t + 0.01 * torch.randn(t.shape, generator=g) if n.startswith("param/") else t
                        for n, t in zip(names, tensors)]
 
             def set_state():
-                tail.import_state(5, names, tensors)
+                tail.runtime.import_state(5, names, tensors)
                 tail.sync._set_fingerprint()
 
             await tail.run_compute(set_state)
@@ -294,14 +294,15 @@ def test_peer_moves_to_the_bottleneck_stage_and_back_if_it_cannot_sync(monkeypat
             # A move whose download fails: back to the old stage, old parameters, serving again.
             other = next(n for n in heads if n is not mover)
             before = []  # its parameters at the moment it switches stage (a round may still end before that)
-            switch = other._switch_stage
+            switch = other._switch_runtime
+            old_runtime = other.runtime
 
-            def spy(stage, kept):
-                if kept is None:
+            def spy(runtime):
+                if runtime is not old_runtime:  # switching away (not back)
                     before.extend(p.detach().clone() for p in other.stage.parameters())
-                return switch(stage, kept)
+                return switch(runtime)
 
-            other._switch_stage = spy
+            other._switch_runtime = spy
 
             async def refuse(self, peer, timeout=60.0, keep_grads=False):
                 return False

@@ -12,6 +12,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from agora.config import load_manifest
+from agora.server.observers import Observers
 from agora.ops.metrics import serve_node_metrics
 from agora.client.trainer import Trainer
 from swarm_util import leftover_children, local_swarm
@@ -58,7 +59,7 @@ def test_node_metrics_grow_with_work():
             finally:
                 for s in servers:
                     s.close()
-                assert not head.compute_observers and not tail.compute_observers  # close() detached its hooks
+                assert not any(n.observers.observers(k) for n in (head, tail) for k in ("compute", "round"))  # close() detached its hooks
 
     first, second, steps, tokens = asyncio.run(main())
     h1, h2 = first[0], second[0]
@@ -100,24 +101,21 @@ def tail_id(tail_scrape: dict) -> str:
     return next(dict(labels)["peer_id"] for (name, labels) in tail_scrape if name == "agora_peer_info")
 
 
-def test_round_observer_attaches_once_the_averager_exists():
-    """``agora node --metrics-port`` serves metrics before ``node.start()`` creates ``node.sync``."""
-    node = SimpleNamespace(compute_observers=[], sync=None)
+def test_histograms_subscribe_before_the_node_starts():
+    """``agora node --metrics-port`` serves metrics before ``node.start()`` creates ``node.sync``: the histograms
+    subscribe to the node's events, which need no sync."""
+    node = SimpleNamespace(observers=Observers(), sync=None)
     server = serve_node_metrics(node, 0)
     try:
-        assert len(node.compute_observers) == 1
-        node.sync = SimpleNamespace(round_observers=[])
-        deadline = time.monotonic() + 5
-        while not node.sync.round_observers and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(node.sync.round_observers) == 1
-        node.sync.round_observers[0](True, 0.3, 2)
-        node.sync.round_observers[0](False, 7.0, 1)
-        node.compute_observers[0]("forward", 0.002, 512)
+        assert len(node.observers.observers("compute")) == 1
+        assert len(node.observers.observers("round")) == 1
+        node.observers.emit("round", True, 0.3, 2)
+        node.observers.emit("round", False, 7.0, 1)
+        node.observers.emit("compute", "forward", 0.002, 512)
         count = server.registry.get_sample_value
         assert count("agora_averaging_round_seconds_count", {"outcome": "ok"}) == 1
         assert count("agora_averaging_round_seconds_count", {"outcome": "failed"}) == 1
         assert count("agora_compute_seconds_count", {"kind": "forward"}) == 1
     finally:
         server.close()
-    assert node.compute_observers == [] and node.sync.round_observers == []
+    assert node.observers.observers("compute") == [] and node.observers.observers("round") == []

@@ -84,19 +84,13 @@ def test_install_attack_corrupts_a_real_nodes_outgoing_boundary():
     node = _node(0)
     try:
         seen = []
-
-        async def fake_call_next(meta, boundary, last):  # stands in for the network hop
-            seen.append(boundary.coords.clone())
-            return {"loss": 1.0}, []
-
-        node._call_next = fake_call_next
         spec = install_attack(node, "scale:4@fwd")
         assert node.attack == spec and any(e["kind"] == "attack_installed" for e in node.events)
         tokens = torch.randint(0, MAN.model.vocab_size, (2, 16), dtype=torch.int32)
-        pending, _ = node._forward([tokens, tokens[:, -1]], train=False)
-        boundary = compress(pending.out.detach(), pending.tokens, node.stage.basis)
-        clean = boundary.coords.clone()
-        asyncio.run(node._call_next({}, boundary, tokens[:, -1]))
+        rt = node.runtime
+        pending, _ = rt.forward([tokens, tokens[:, -1]], train=False, generation=rt.generation)
+        clean = compress(pending.out.detach(), pending.tokens, node.stage.basis).coords.clone()
+        seen.append(rt.boundary(pending).coords)  # what the node hands to its next hop (``Downstream.send``)
         assert torch.allclose(seen[0], 4 * clean)
     finally:
         _close(node)
@@ -111,14 +105,15 @@ def test_install_attack_corrupts_a_real_tails_returned_gradient():
         tokens = torch.randint(0, MAN.model.vocab_size, (2, 16), dtype=torch.int32, generator=g)
         grads = []
         for node in (clean_node, bad_node):
-            pending, _ = node._forward([coords, tokens, tokens[:, -1]], train=True)
-            grads.append(node._finish_tail(pending))
+            rt = node.runtime
+            pending, _ = rt.forward([coords, tokens, tokens[:, -1]], train=True, generation=rt.generation)
+            grads.append(rt.finish_tail(pending))
         assert torch.allclose(grads[1], -grads[0])
     finally:
         _close(clean_node)
         _close(bad_node)
 
 
-def test_install_attack_refuses_a_node_without_the_expected_methods():
-    with pytest.raises(AttributeError, match="_call_next"):
+def test_install_attack_refuses_a_node_without_the_output_filter_hook():
+    with pytest.raises(AttributeError, match="add_output_filter"):
         install_attack(SimpleNamespace(), "scale:2@fwd")

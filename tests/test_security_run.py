@@ -23,7 +23,7 @@ from agora.net import transport
 from agora.trust.credentials import CredentialError, load_credentials, save_certificate
 from agora.net.protocol import FWD_BWD, GET_STATE
 from agora.server.node import NodeOptions, StageNode
-from agora.net.dht import JoinError, make_dht, visible_maddrs
+from agora.net.dht import Endpoint, JoinError, make_dht, visible_maddrs
 from agora.net.records import announce, read_subkeys, stage_key, trainers_key
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -95,7 +95,7 @@ def test_credentials_are_checked_before_joining(run_files):
     with pytest.raises(CredentialError, match="not the authority's"):
         load_credentials(m, str(run_files / "intruder.key"), str(run_files / "forged.cert"))
     with pytest.raises(JoinError) as err:
-        make_dht(manifest=m, identity=str(run_files / "intruder.key"))
+        make_dht(manifest=m, endpoint=Endpoint(identity=str(run_files / "intruder.key")))
     assert err.value.exit_code == 5
     # Read-only clients (status, dashboard) need no certificate.
     assert load_credentials(m, None, None, writes=False).certificate is None
@@ -112,14 +112,14 @@ def test_allow_listed_swarm_serves_certified_peers_only(run_files):
         nodes = []
         try:
             for stage in (0, 1):
-                dht = make_dht(peers, manifest=m, identity=str(f / f"node{stage}.key"),
-                               certificate=str(f / f"node{stage}.cert"))
+                dht = make_dht(peers, Endpoint(identity=str(f / f"node{stage}.key"),
+                                               certificate=str(f / f"node{stage}.cert")), manifest=m)
                 dhts.append(dht)
                 node = StageNode(m, stage, dht, NodeOptions(stall_step_s=1e9))
                 await node.start()
                 nodes.append(node)
-            trainer = make_dht(peers, manifest=m, identity=str(f / "trainer.key"),
-                               certificate=str(f / "trainer.cert"), client_mode=True)
+            trainer = make_dht(peers, Endpoint(identity=str(f / "trainer.key"), certificate=str(f / "trainer.cert")),
+                               manifest=m, client_mode=True)
             dhts.append(trainer)
             # The intruder runs the same validators (so it could read and sign) but holds no certificate.
             intruder = make_dht(peers, manifest=m.with_overrides(**{"security.allow_list": False}),

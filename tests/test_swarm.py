@@ -42,7 +42,7 @@ def test_replicas_hold_identical_parameters_after_steps():
                 losses = await asyncio.gather(*(trainer.send(b) for b in _batches(8, seed=round_)))
                 assert all(x is not None for x in losses)
                 target = round_ + 1
-                await _wait(lambda: all(n.step >= target and n.samples == 0 for n in nodes), 60, f"step {target}")
+                await _wait(lambda: all(n.step >= target and n.runtime.samples == 0 for n in nodes), 60, f"step {target}")
                 await _wait(lambda: len({n.step for n in nodes if n.stage_index == 0}) == 1
                             and len({n.step for n in nodes if n.stage_index == 1}) == 1, 30, "replicas at one step")
                 for stage in (0, 1):

@@ -53,10 +53,11 @@ def test_backward_after_an_optimizer_step_uses_the_stashed_weights():
         async with local_swarm(man, [0]) as (boot, peers, nodes):
             node = nodes[0]
             before = copy.deepcopy(node.stage)
-            pending, _ = await node.run_compute(node._forward, [tokens, last], True)
+            rt = node.runtime
+            pending, _ = await node.run_compute(rt.forward, [tokens, last], True, rt.generation)
             # The stage steps (parameters change in place) while the microbatch is downstream.
-            await node.run_compute(node.apply_step, [torch.randn_like(p) for p in node.stage.parameters()])
-            await node.run_compute(node._backward, pending, grad_out)
+            await node.run_compute(rt.apply_step, [torch.randn_like(p) for p in node.stage.parameters()])
+            await node.run_compute(rt.backward, pending, grad_out)
             return before, node
 
     before, node = asyncio.run(main())

@@ -166,10 +166,10 @@ def bench_chaos(
     kill_every: float = typer.Option(20.0, help="seconds between chaos kills"),
 ) -> None:
     """Training under churn vs without: steps/min, kill-to-next-microbatch, stalls, abandoned work, loss, drift."""
-    from agora.bench.chaos import run
+    from agora.bench.chaos import ChaosBenchOptions, run
 
-    result = run(out, minutes=minutes, preset=preset, stages=stages, replicas=replicas, kill_every=kill_every,
-                 log=console.print)
+    options = ChaosBenchOptions(minutes=minutes, preset=preset, stages=stages, replicas=replicas, kill_every=kill_every)
+    result = run(out, options, log=console.print)
     print(json.dumps(result["headline"], indent=2))
 
 
@@ -201,11 +201,11 @@ def bench_efficiency(
                                                        "'sparse,every=5,rho=0.05' (default: the preset's)"),
 ) -> None:
     """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
-    from agora.bench.efficiency import run
+    from agora.bench.efficiency import EfficiencyOptions, run
 
-    run(out, preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
-        link_mbps=link_mbps, capped_steps=capped_steps, link_backend=link_backend, averaging=averaging,
-        log=console.print)
+    run(out, EfficiencyOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
+                               link_mbps=link_mbps, capped_steps=capped_steps, link_backend=link_backend,
+                               averaging=averaging), log=console.print)
 
 
 @bench_app.command("sentinel")
@@ -262,13 +262,13 @@ def bootstrap(
     log_level: str = LogOpt,
 ) -> None:
     """A DHT peer to join through; prints its full multiaddrs."""
-    from agora.net.dht import setup_logging
+    from agora.net.dht import Endpoint, setup_logging
     from agora.roles import run_bootstrap
 
     setup_logging(log_level)
     m = _manifest(manifest) if manifest else None
-    raise typer.Exit(_join_errors(lambda: run_bootstrap(m, initial_peers, host, port, announce_host, identity, maddr_file,
-                                                         certificate)))
+    endpoint = Endpoint(host, port, announce_host, identity, certificate)
+    raise typer.Exit(_join_errors(lambda: run_bootstrap(m, initial_peers, endpoint, maddr_file)))
 
 
 @app.command()
@@ -291,9 +291,9 @@ def node(
     log_level: str = LogOpt,
 ) -> None:
     """Serve one pipeline stage: forward/backward for trainers and the previous stage, averaging with replicas."""
+    from agora.net.dht import Endpoint, setup_logging
+    from agora.roles import NodeRun, run_node
     from agora.server.node import NodeOptions
-    from agora.net.dht import setup_logging
-    from agora.roles import run_node
 
     setup_logging(log_level)
     _enable_stack_dumps()
@@ -301,9 +301,14 @@ def node(
     opts = NodeOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
                        rebalance_every_s=rebalance_every, sentinel=sentinel or sentinel_log is not None,
                        sentinel_log=sentinel_log)
-    raise typer.Exit(_join_errors(lambda: run_node(
-        m, stage, initial_peers, host, port, announce_host, identity, opts, summary=summary, resume=resume,
-        metrics_port=metrics_port, attack=attack, certificate=certificate)))
+    setup = None
+    if attack:
+        from agora.lab.attacks import install_attack
+
+        setup = lambda node: install_attack(node, attack)  # noqa: E731
+    run = NodeRun(stage=stage, summary=summary, resume=resume, metrics_port=metrics_port, setup=setup)
+    endpoint = Endpoint(host, port, announce_host, identity, certificate)
+    raise typer.Exit(_join_errors(lambda: run_node(m, initial_peers, endpoint, opts, run)))
 
 
 @app.command()
@@ -320,9 +325,9 @@ def train(
     log_level: str = LogOpt,
 ) -> None:
     """Feed a data shard into the pipeline and report the loss."""
-    from agora.net.dht import setup_logging
-    from agora.roles import run_trainer
     from agora.client.trainer import TrainerOptions
+    from agora.net.dht import Endpoint, setup_logging
+    from agora.roles import TrainerRun, run_trainer
 
     setup_logging(log_level)
     _enable_stack_dumps()
@@ -334,9 +339,9 @@ def train(
         console.print(f"[red]error:[/red] --shard must look like INDEX/COUNT with 0 <= INDEX < COUNT, got {shard!r}")
         raise typer.Exit(2)
     opts = TrainerOptions(in_flight=in_flight)
-    raise typer.Exit(_join_errors(lambda: run_trainer(
-        m, initial_peers, host, port, identity, index, count, opts, max_tokens, summary, val_batches,
-        certificate=certificate)))
+    run = TrainerRun(shard=(index, count), max_tokens=max_tokens, summary=summary, val_batches=val_batches)
+    endpoint = Endpoint(host, port, identity=identity, certificate=certificate)
+    raise typer.Exit(_join_errors(lambda: run_trainer(m, initial_peers, endpoint, opts, run)))
 
 
 @app.command()
@@ -389,22 +394,24 @@ def demo(
                                                        "settings, e.g. 'powersgd,rank=8' or 'sparse,every=5'"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
-    from agora.lab.demo import plan_links, run_demo
+    from agora.lab.demo import (ChaosOptions, DemoOptions, LinkOptions, NodeExtras, StopRule, SwarmShape,
+                                plan_links, run_demo)
 
     try:  # refuse a bad link setup with one line, before anything starts
         plan_links(link_mbps, link_latency_ms, link_backend)
     except (ValueError, RuntimeError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2)
-    summary = run_demo(
-        preset=preset, stages=stages, replicas=replicas, trainers=trainers, steps=steps, out=out,
-        in_flight=in_flight, chaos=chaos, chaos_last=chaos_last, timeout=timeout, threads=threads,
-        dashboard_port=dashboard_port if dashboard else None, live=not no_live,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-        residual=residual, link_mbps=link_mbps, link_latency_ms=link_latency_ms, link_backend=link_backend,
-        allow_list=allow_list,
-        averaging=averaging,
-    )
+    summary = run_demo(DemoOptions(
+        out=out,
+        shape=SwarmShape(preset=preset, stages=stages, replicas=replicas, trainers=trainers, in_flight=in_flight,
+                         threads=threads, residual=residual, averaging=averaging),
+        stop=StopRule(steps=steps, timeout=timeout),
+        chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last),
+        link=LinkOptions(mbps=link_mbps, latency_ms=link_latency_ms, backend=link_backend),
+        nodes=NodeExtras(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume),
+        allow_list=allow_list, live=not no_live, dashboard_port=dashboard_port if dashboard else None,
+    ))
     mb = summary["microbatches"]
     console.print(
         f"demo {'finished' if summary['finished'] else 'TIMED OUT'}: {summary['tokens']} tokens in "

@@ -14,14 +14,17 @@ import os
 import random
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
 from agora.config import Manifest
+from agora.client.trainer import Trainer, TrainerOptions
+from agora.data import build_datasets
 from agora.net.dht import (
+    Endpoint,
     JoinError,
     check_run_manifest,
     install_stop_signals,
@@ -29,7 +32,11 @@ from agora.net.dht import (
     publish_manifest,
     visible_maddrs,
 )
-from agora.net.records import read_swarm
+from agora.net.records import ANNOUNCE_PERIOD_S, read_swarm
+from agora.net.routing import drop_stale, pick_stage
+from agora.ops.metrics import serve_node_metrics
+from agora.server.checkpoint import load_stage_checkpoint
+from agora.server.node import NodeOptions, StageNode
 
 logger = logging.getLogger("agora")
 
@@ -56,10 +63,10 @@ def _write(path: Optional[str], data: dict) -> None:
         os.replace(tmp, path)
 
 
-def run_bootstrap(manifest: Optional[Manifest], initial_peers: Sequence[str], host: str, port: int,
-                  announce_host: Optional[str], identity: Optional[str], maddr_file: Optional[str],
-                  certificate: Optional[str] = None) -> int:
-    dht = make_dht(initial_peers, host, port, announce_host, identity, manifest=manifest, certificate=certificate)
+def run_bootstrap(manifest: Optional[Manifest], initial_peers: Sequence[str], endpoint: Endpoint,
+                  maddr_file: Optional[str] = None) -> int:
+    """A DHT peer to join through: prints its multiaddrs, republishes the manifest hash every 20 s until stopped."""
+    dht = make_dht(initial_peers, endpoint, manifest=manifest)
     maddrs = visible_maddrs(dht)
     print("\n".join(maddrs), flush=True)
     if maddr_file:
@@ -103,75 +110,92 @@ def exit_through_finally_on_sigterm() -> None:
 
 def choose_stage(dht, manifest: Manifest) -> int:
     """The weakest stage, ignoring records that stopped being refreshed (peers that just died)."""
-    from agora.net.records import ANNOUNCE_PERIOD_S
-    from agora.net.routing import drop_stale, pick_stage
-
     swarm = read_swarm(dht, manifest.run_id, manifest.n_stages, manifest.hash)
     return pick_stage(drop_stale(swarm, max_age_s=2 * ANNOUNCE_PERIOD_S + 1.5))
 
 
-def run_node(manifest: Manifest, stage: str, initial_peers: Sequence[str], host: str, port: int,
-             announce_host: Optional[str], identity: Optional[str], options, summary: Optional[str] = None,
-             resume: Optional[str] = None, metrics_port: Optional[int] = None, attack: Optional[str] = None,
-             certificate: Optional[str] = None) -> int:
-    from agora.server.checkpoint import load_stage_checkpoint
-    from agora.server.node import StageNode
+@dataclass
+class NodeRun:
+    """How ``agora node`` runs one node, beyond the node's own options.
 
-    dht = make_dht(initial_peers, host, port, announce_host, identity, manifest=manifest, certificate=certificate)
-    node = None
+    :param stage: a stage index, or "auto" for the weakest stage
+    :param summary: write a JSON summary of the node here (every 2 s and on exit)
+    :param resume: a checkpoint folder to restore the stage from
+    :param metrics_port: serve Prometheus /metrics on this port
+    :param setup: called with the node right after it is built, before it serves (e.g. the attack simulator)
+    """
+
+    stage: str = "auto"
+    summary: Optional[str] = None
+    resume: Optional[str] = None
+    metrics_port: Optional[int] = None
+    setup: Optional[Callable[[StageNode], Any]] = None
+
+
+def _stage_to_serve(dht, manifest: Manifest, stage: str) -> int:
+    if stage == "auto":
+        # Random jitter so peers started together do not all read the same empty swarm and pick one stage.
+        time.sleep(random.uniform(0, 1.0))
+        index = choose_stage(dht, manifest)
+        logger.info(f"--stage auto chose stage {index}")
+        return index
+    index = int(stage)
+    if not 0 <= index < manifest.n_stages:
+        raise JoinError(f"--stage {index} does not exist: the manifest has {manifest.n_stages} stages", 2)
+    return index
+
+
+def _build_node(dht, manifest: Manifest, options: NodeOptions, run: NodeRun, host: str) -> StageNode:
+    index = _stage_to_serve(dht, manifest, run.stage)
+    node = StageNode(manifest, index, dht, options)
+    if run.resume:
+        saved = load_stage_checkpoint(run.resume, manifest, index)
+        if saved is None:
+            logger.warning(f"--resume {run.resume}: no checkpoint for stage {index}; starting fresh")
+        else:
+            node.runtime.import_state(*saved)
+            logger.info(f"resumed stage {index} at step {node.step} from {run.resume}")
+    if run.metrics_port is not None:
+        serve_node_metrics(node, run.metrics_port, host=host)  # same interface as the node's listener
+    if run.setup is not None:
+        run.setup(node)
+    return node
+
+
+async def _serve(node: StageNode, summary: Optional[str]) -> None:
+    stop = asyncio.Event()
+    install_stop_signals(asyncio.get_running_loop(), stop)
+    await node.start()
+    last_summary = 0.0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            pass
+        if summary and time.monotonic() - last_summary > 2.0:
+            _write(summary, node_summary(node))
+            last_summary = time.monotonic()
+    await node.stop()
+
+
+def run_node(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpoint, options: NodeOptions,
+             run: Optional[NodeRun] = None) -> int:
+    """Serve one stage until SIGTERM/SIGINT, then leave gracefully."""
+    run = run or NodeRun()
+    dht = make_dht(initial_peers, endpoint, manifest=manifest)
     exit_through_finally_on_sigterm()
     try:
         check_run_manifest(dht, manifest)
-        if stage == "auto":
-            # Random jitter so peers started together do not all read the same empty swarm and pick one stage.
-            time.sleep(random.uniform(0, 1.0))
-            index = choose_stage(dht, manifest)
-            logger.info(f"--stage auto chose stage {index}")
-        else:
-            index = int(stage)
-            if not 0 <= index < manifest.n_stages:
-                raise JoinError(f"--stage {index} does not exist: the manifest has {manifest.n_stages} stages", 2)
-        node = StageNode(manifest, index, dht, options)
-        if resume:
-            saved = load_stage_checkpoint(resume, manifest, index)
-            if saved is None:
-                logger.warning(f"--resume {resume}: no checkpoint for stage {index}; starting fresh")
-            else:
-                node.import_state(*saved)
-                logger.info(f"resumed stage {index} at step {node.step} from {resume}")
-        if metrics_port is not None:
-            from agora.ops.metrics import serve_node_metrics
-
-            serve_node_metrics(node, metrics_port, host=host)  # same interface as the node's listener
-        if attack:
-            from agora.lab.attacks import install_attack
-
-            install_attack(node, attack)
-
-        async def main() -> None:
-            stop = asyncio.Event()
-            install_stop_signals(asyncio.get_running_loop(), stop)
-            await node.start()
-            last_summary = 0.0
-            while not stop.is_set():
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
-                if summary and time.monotonic() - last_summary > 2.0:
-                    _write(summary, node_summary(node))
-                    last_summary = time.monotonic()
-            await node.stop()
-
-        asyncio.run(main())
-        _write(summary, node_summary(node))
+        node = _build_node(dht, manifest, options, run, endpoint.host)
+        asyncio.run(_serve(node, run.summary))
+        _write(run.summary, node_summary(node))
         return 0
     finally:
         dht.shutdown()
 
 
-def node_summary(node) -> dict:
-    sync = node.sync
+def node_summary(node: StageNode) -> dict:
+    sync, syncs = node.sync, node.syncs
     return {
         "role": "node",
         "peer_id": node.peer_id,
@@ -182,12 +206,12 @@ def node_summary(node) -> dict:
         "bytes_sent_downstream": node.stats_out.payload_bytes_sent,
         "bytes_received_upstream": node.stats_in.payload_bytes_received,
         "bytes_sent_upstream": node.stats_in.payload_bytes_sent,
-        "rounds_ok": sum(s.rounds_ok for s in node._syncs),
-        "rounds_failed": sum(s.rounds_failed for s in node._syncs),
-        "local_steps": sum(s.local_steps for s in node._syncs),
-        "resyncs": sum(s.resyncs for s in node._syncs),
-        "aborted_rounds": sum(s.aborted_rounds for s in node._syncs),
-        "averaging_bytes_sent": sum(s.bytes_sent for s in node._syncs),
+        "rounds_ok": sum(s.rounds_ok for s in syncs),
+        "rounds_failed": sum(s.rounds_failed for s in syncs),
+        "local_steps": sum(s.local_steps for s in syncs),
+        "resyncs": sum(s.resyncs for s in syncs),
+        "aborted_rounds": sum(s.aborted_rounds for s in syncs),
+        "averaging_bytes_sent": sum(s.bytes_sent for s in syncs),
         "moves": node.moves,
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),
@@ -200,39 +224,52 @@ def node_summary(node) -> dict:
     }
 
 
-def run_trainer(manifest: Manifest, initial_peers: Sequence[str], host: str, port: int,
-                identity: Optional[str], shard_index: int, shard_count: int, options,
-                max_tokens: Optional[int], summary: Optional[str], val_batches: int = 0,
-                certificate: Optional[str] = None) -> int:
-    from agora.data import build_datasets
-    from agora.client.trainer import Trainer
+@dataclass
+class TrainerRun:
+    """How ``agora train`` runs one trainer, beyond the trainer's own options.
 
+    :param shard: (index, count) of the data shard this trainer feeds
+    :param max_tokens: stop after this many tokens (None: until stopped)
+    :param summary: write a JSON summary here on exit
+    :param val_batches: validation microbatches run through the swarm at the end
+    """
+
+    shard: tuple[int, int] = (0, 1)
+    max_tokens: Optional[int] = None
+    summary: Optional[str] = None
+    val_batches: int = 0
+
+
+async def _train(trainer: Trainer, val, manifest: Manifest, run: TrainerRun) -> dict:
+    stop = asyncio.Event()
+    install_stop_signals(asyncio.get_running_loop(), stop)
+    await trainer.start()
+    stats = await trainer.run(stop, max_tokens=run.max_tokens)
+    val_loss = None
+    if run.val_batches:  # a stop signal ends training; the validation pass still runs (bounded by timeouts)
+        val_loss = await trainer.evaluate(val.fixed_batches(manifest.batch.microbatch_size, run.val_batches))
+    trainer.close()
+    return {"val_loss": val_loss, "stats": asdict(stats)}
+
+
+def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpoint, options: TrainerOptions,
+                run: Optional[TrainerRun] = None) -> int:
+    """Feed a data shard into the pipeline until ``max_tokens`` or a stop signal; write the summary."""
+    run = run or TrainerRun()
     train, val, _ = build_datasets(manifest)
-    shard = train.shard(manifest.seed, shard_index, shard_count)
-    dht = make_dht(initial_peers, host, port, None, identity, client_mode=True, manifest=manifest,
-                   certificate=certificate)
+    shard = train.shard(manifest.seed, *run.shard)
+    dht = make_dht(initial_peers, Endpoint(host=endpoint.host, port=endpoint.port, identity=endpoint.identity,
+                                           certificate=endpoint.certificate), manifest=manifest, client_mode=True)
     t0 = time.time()
     exit_through_finally_on_sigterm()
     try:
         check_run_manifest(dht, manifest)
         trainer = Trainer(manifest, dht, shard, options)
-
-        async def main() -> dict:
-            stop = asyncio.Event()
-            install_stop_signals(asyncio.get_running_loop(), stop)
-            await trainer.start()
-            stats = await trainer.run(stop, max_tokens=max_tokens)
-            val_loss = None
-            if val_batches:  # a stop signal ends training; the validation pass still runs (bounded by timeouts)
-                val_loss = await trainer.evaluate(val.fixed_batches(manifest.batch.microbatch_size, val_batches))
-            trainer.close()
-            return {"val_loss": val_loss, "stats": asdict(stats)}
-
-        out = asyncio.run(main())
+        out = asyncio.run(_train(trainer, val, manifest, run))
         result = {
             "role": "trainer",
             "peer_id": str(dht.peer_id),
-            "shard": [shard_index, shard_count],
+            "shard": list(run.shard),
             "tokens": out["stats"]["tokens"],
             "microbatches": out["stats"]["counts"],
             "errors": out["stats"]["errors"],
@@ -243,7 +280,7 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], host: str, por
             "wall_s": time.time() - t0,
             "cpu_s": process_cpu_seconds(),
         }
-        _write(summary, result)
+        _write(run.summary, result)
         logger.info(f"trainer done: {result['tokens']} tokens, microbatches {result['microbatches']}")
         return 0
     finally:

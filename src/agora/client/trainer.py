@@ -4,11 +4,9 @@ It sends token ids to a head-stage peer and gets the loss back; activations then
 it. Several microbatches stay in flight so stages never wait on the trainer. Accounting is per microbatch:
 submitted, completed, retried, abandoned; tokens count once, when the microbatch completes.
 
-Failures are routed around, not punished blindly: a head peer that fails itself is banned for a while; a head that
-reports trouble further down the pipeline ("retries_exhausted", "no_peers") is only skipped for this microbatch,
-since the head did nothing wrong. Bans are preferences: when every head is banned the microbatch still goes to one
-of them rather than being abandoned. An empty stage makes the trainer wait (with a status line) instead of burning
-its bounded retries.
+Which head, and what a failure means, is the router's business (``client/router.py``): a head that reports trouble
+further down the pipeline ("retries_exhausted", "no_peers") is only skipped for this microbatch, since the head did
+nothing wrong. An empty stage makes the trainer wait (with a status line) instead of burning its bounded retries.
 """
 
 from __future__ import annotations
@@ -26,10 +24,9 @@ from hivemind import DHT
 
 from agora.config import Manifest
 from agora.data import TokenDataset
-from agora.net import transport
-from agora.net.protocol import BANNABLE, DOWNSTREAM, FWD_BWD, RETRYABLE
+from agora.client.router import Router, RouterOptions
+from agora.net.protocol import DOWNSTREAM, RETRYABLE
 from agora.net.records import ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_bans, read_swarm, trainers_key
-from agora.net.routing import BanList, pick_peer_or_fallback
 from agora.net.transport import RpcError, TransferStats
 
 logger = logging.getLogger("agora.trainer")
@@ -77,10 +74,8 @@ class Trainer:
         self.peer_id = str(dht.peer_id)
         self.stats = TrainerStats()
         self.transfer = TransferStats()
-        self.bans = BanList(self.opts.ban_s)
         self.swarm: list[list[StageRecord]] = [[] for _ in range(manifest.n_stages)]
-        self.inflight: dict[str, int] = {}
-        self.acks: dict[str, int] = {}  # head-stage results received, per head peer (receiver-side accounting)
+        self.router: Optional[Router] = None  # set by start(): it needs the P2P
         self.banned: set[str] = set()  # peers banned by SENTINEL of BAN_QUORUM publishers (in the DHT)
         seed = manifest.seed if data_seed is None else data_seed
         self._batches = shard.batches(manifest.batch.microbatch_size, seed=seed) if shard is not None else None
@@ -93,8 +88,22 @@ class Trainer:
     async def run_io(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
+    @property
+    def acks(self) -> dict[str, int]:
+        """Head-stage results received, per head peer (receiver-side accounting)."""
+        return self.router.acks if self.router is not None else {}
+
+    # The router's view of the head stage (``PeerSource``).
+    def candidates(self) -> list[StageRecord]:
+        return self.swarm[0]
+
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
+        options = RouterOptions(max_retries=self.opts.max_retries, timeout_s=self.opts.call_timeout_s,
+                                wait_for_peers_s=self.opts.call_timeout_s, backoff_s=self.opts.retry_backoff_s,
+                                ban_s=self.opts.ban_s, retryable=RETRYABLE | DOWNSTREAM, warn_when_empty=False)
+        self.router = Router(self._p2p, self.manifest.run_id, 0, self, options, stats=self.transfer,
+                             errors=self.stats.errors)
         await self.announce()  # stages of an allow-listed run serve only callers with a (certified) record
         await self.refresh()
 
@@ -157,52 +166,21 @@ class Trainer:
         tokens = batch[:, :-1].to(torch.int32).contiguous()
         last = batch[:, -1].to(torch.int32).contiguous()
         meta = {"run_id": self.manifest.run_id, "manifest_hash": self.manifest.hash, "stage": 0, "train": train}
-        tried: list[str] = []
-        for attempt in range(self.opts.max_retries + 1):
-            peer = await self._next_head(tokens.numel(), tried, stop)
-            if peer is None:
-                return None  # stopped, or no head appeared within the call timeout
-            if peer.peer_id in tried:
-                await asyncio.sleep(self.opts.retry_backoff_s * attempt)
-            self.inflight[peer.peer_id] = self.inflight.get(peer.peer_id, 0) + 1
-            try:
-                reply, _ = await transport.call(
-                    self._p2p, peer.peer_id, self.manifest.run_id, FWD_BWD, meta, [tokens, last],
-                    self.opts.call_timeout_s, stats=self.transfer,
-                )
-                self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
-                loss = reply.get("loss")
-                return float(loss) if loss is not None else None
-            except RpcError as err:
-                self.stats.errors[err.code] = self.stats.errors.get(err.code, 0) + 1
-                if err.code not in RETRYABLE and err.code not in DOWNSTREAM:
-                    logger.error(f"microbatch refused by the pipeline: {err}")
-                    return None
-                tried.append(peer.peer_id)
-                if err.code in BANNABLE:
-                    self.bans.ban(peer.peer_id)
-                if attempt == self.opts.max_retries:
-                    logger.warning(f"microbatch via {peer.peer_id[-8:]} failed ({err.code}); giving up after "
-                                   f"{attempt + 1} attempts")
-                    break
-                if train:
-                    self.stats.counts.retried += 1  # counts retries made, not the final failure (that is abandoned)
-                logger.warning(f"microbatch via {peer.peer_id[-8:]} failed ({err.code}); retry {attempt + 1}")
-            finally:
-                self.inflight[peer.peer_id] -= 1
-        return None
 
-    async def _next_head(
-        self, job_tokens: int, tried: list[str], stop: Optional[asyncio.Event]
-    ) -> Optional[StageRecord]:
-        """A head peer for the next attempt; waits (bounded by the call timeout) while the head stage is empty."""
-        deadline = time.monotonic() + self.opts.call_timeout_s
-        while True:
-            peer = pick_peer_or_fallback(self.swarm[0], job_tokens, tried=tried, bans=self.bans, inflight=self.inflight)
-            if peer is not None or time.monotonic() > deadline or (stop is not None and stop.is_set()):
-                return peer
-            await asyncio.sleep(0.5)
-            await self.refresh()
+        def count_retry() -> None:
+            if train:
+                self.stats.counts.retried += 1  # counts retries made, not the final failure (that is abandoned)
+
+        try:
+            _, (reply, _) = await self.router.call(meta, [tokens, last], job_tokens=tokens.numel(),
+                                                   stopped=lambda: stop is not None and stop.is_set(),
+                                                   on_retry=count_retry)
+        except RpcError as err:
+            if err.code not in ("retries_exhausted", "no_peers"):
+                logger.error(f"microbatch refused by the pipeline: {err}")
+            return None
+        loss = reply.get("loss")
+        return float(loss) if loss is not None else None
 
     async def _one(self, stop: Optional[asyncio.Event] = None) -> None:
         batch = next(self._batches)

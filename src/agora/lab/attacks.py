@@ -17,22 +17,14 @@ Kinds and what ``strength`` means (default in brackets):
 A spec may end in ``@fwd``, ``@bwd`` or ``@both`` [both]: corrupt outgoing forward boundaries, returned gradients,
 or both. Example: ``scale:4@bwd``.
 
-``install_attack(node, spec)`` wraps three methods *on the instance* (``node.py`` is untouched; the class and
-other nodes in the same process are unaffected):
-
-* ``_call_next(meta, boundary, last)`` (async): the only place a forward boundary leaves a non-tail stage;
-  ``boundary.coords`` is replaced by its corrupted copy before the original is called.
-* ``_backward(pending, grad_out)``: its return value is the gradient a non-head, non-tail stage sends upstream.
-* ``_finish_tail(pending)``: its return value is the gradient the tail sends upstream.
-
-It must run before ``node.start()`` or at least before work arrives (``run.py`` calls it right after building the
-node). If ``StageNode`` is refactored and a method disappears, ``install_attack`` raises rather than silently
-attacking nothing.
+``install_attack(node, spec)`` registers an output filter through the node's public hook
+(``StageNode.add_output_filter``): every forward boundary the stage sends ("fwd") and every gradient it returns
+upstream ("bwd") passes through it. Other nodes in the same process are unaffected. ``agora node --attack`` installs
+it right after building the node, before any work arrives.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections import deque
@@ -164,56 +156,30 @@ def apply_attack(kind: str, strength: float, tensor: Tensor, rng: torch.Generato
     return out.to(dtype)
 
 
-def _require(node: Any, name: str) -> Any:
-    method = getattr(node, name, None)
-    if not callable(method):
-        raise AttributeError(
-            f"install_attack: {type(node).__name__} has no method {name!r}; StageNode changed, "
-            f"update agora.lab.attacks to its new structure"
-        )
-    return method
+def attack_filter(spec: "str | AttackSpec"):
+    """The output filter ``(direction, tensor) -> tensor`` that corrupts what ``spec`` targets (seeded per
+    direction, so a run is reproducible)."""
+    spec = parse_attack(spec) if isinstance(spec, str) else spec
+    generators = {"fwd": torch.Generator().manual_seed(spec.seed * 2 + 1),
+                  "bwd": torch.Generator().manual_seed(spec.seed * 2 + 2)}
+    states = {"fwd": AttackState(), "bwd": AttackState()}
+    targets = ("fwd", "bwd") if spec.target == "both" else (spec.target,)
+
+    def corrupt(direction: str, tensor: Tensor) -> Tensor:
+        if direction not in targets:
+            return tensor
+        return apply_attack(spec.kind, spec.strength, tensor, generators[direction], states[direction])
+
+    return corrupt
 
 
 def install_attack(node: Any, spec: "str | AttackSpec") -> AttackSpec:
-    """Make ``node`` corrupt what it sends (see the module docstring for the wrapped methods). Returns the spec."""
+    """Make ``node`` corrupt what it sends, through its ``add_output_filter`` hook. Returns the spec."""
     spec = parse_attack(spec) if isinstance(spec, str) else spec
-    gen_fwd = torch.Generator().manual_seed(spec.seed * 2 + 1)
-    gen_bwd = torch.Generator().manual_seed(spec.seed * 2 + 2)
-    state_fwd, state_bwd = AttackState(), AttackState()
-
-    if spec.target in ("fwd", "both"):
-        call_next = _require(node, "_call_next")
-
-        @functools.wraps(call_next)
-        async def attacked_call_next(meta, boundary, last, *args, **kwargs):
-            if getattr(boundary, "coords", None) is not None:
-                boundary.coords = apply_attack(spec.kind, spec.strength, boundary.coords, gen_fwd, state_fwd)
-            return await call_next(meta, boundary, last, *args, **kwargs)
-
-        node._call_next = attacked_call_next
-
-    if spec.target in ("bwd", "both"):
-        for name in ("_backward", "_finish_tail"):
-            original = _require(node, name)
-
-            def wrap(original=original):
-                @functools.wraps(original)
-                def attacked(*args, **kwargs):
-                    grad = original(*args, **kwargs)
-                    if grad is None:
-                        return None
-                    return apply_attack(spec.kind, spec.strength, grad, gen_bwd, state_bwd)
-
-                return attacked
-
-            setattr(node, name, wrap())
-
+    node.add_output_filter(attack_filter(spec))
     node.attack = spec
-    log_event = getattr(node, "log_event", None)
-    if callable(log_event):
-        log_event("attack_installed", attack=str(spec))
-    is_head, is_tail = getattr(node, "is_head", False), getattr(node, "is_tail", False)
-    if (spec.target == "fwd" and is_tail) or (spec.target == "bwd" and is_head):
+    node.log_event("attack_installed", attack=str(spec))
+    if (spec.target == "fwd" and node.is_tail) or (spec.target == "bwd" and node.is_head):
         logger.warning(f"attack {spec} has no effect on this stage (the head returns no gradient, the tail "
                        f"sends no forward boundary)")
     logger.warning(f"ATTACK INSTALLED: this node will corrupt its outgoing messages ({spec})")

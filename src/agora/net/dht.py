@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 os.environ.setdefault("USE_LEGACY_BFLOAT16", "0")  # before hivemind is imported: keep bf16 at 2 bytes on the wire
@@ -33,48 +34,55 @@ class JoinError(RuntimeError):
         self.exit_code = exit_code
 
 
-def make_dht(
-    initial_peers: Sequence[str] = (),
-    host: str = "127.0.0.1",
-    port: int = 0,
-    announce_host: Optional[str] = None,
-    identity: Optional[str] = None,
-    client_mode: bool = False,
-    manifest: Optional[Manifest] = None,
-    certificate: Optional[str] = None,
-    writes: bool = True,
-    netns: Optional[str] = None,
-) -> DHT:
+@dataclass(frozen=True)
+class Endpoint:
+    """Where this peer listens and who it is.
+
+    :param announce_host: the public address to announce (needs a fixed ``port``); real swarms listen on 0.0.0.0
+    :param identity: the peer's key file (libp2p identity = record signing key); None: an ephemeral key
+    :param certificate: the authority's certificate file for ``identity`` (allow-listed runs)
+    :param netns: fork the DHT process inside this named network namespace (the emulated-WAN demo)
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_host: Optional[str] = None
+    identity: Optional[str] = None
+    certificate: Optional[str] = None
+    netns: Optional[str] = None
+
+
+def make_dht(initial_peers: Sequence[str] = (), endpoint: Endpoint = Endpoint(), manifest: Optional[Manifest] = None,
+             client_mode: bool = False, writes: bool = True) -> DHT:
     """Start this process's DHT node (hivemind runs it in a child process with its own libp2p daemon).
 
-    ``host`` defaults to loopback for local runs; real swarms pass ``--host 0.0.0.0 --announce-host PUBLIC_IP``
-    because hivemind otherwise announces an address nobody outside can dial.
+    ``endpoint.host`` defaults to loopback for local runs; real swarms pass ``--host 0.0.0.0 --announce-host
+    PUBLIC_IP`` because hivemind otherwise announces an address nobody outside can dial.
 
     With a ``manifest`` the DHT enforces the run's record rules (``agora.trust.credentials``): every record it
     writes is signed by the peer's identity key, records it reads or stores are checked, and in an allow-listed run
     only certified keys can write. Every peer of a run, readers included, needs them: signed values carry their
-    signature, which only the validators strip. ``certificate`` is the authority's certificate file for
-    ``identity``; ``writes=False`` marks a read-only client (no certificate needed).
+    signature, which only the validators strip. ``writes=False`` marks a read-only client (no certificate needed).
 
-    ``netns``: fork the DHT process (and so its libp2p daemon) inside this named network namespace while the
-    calling process stays where it is (see :func:`agora.lab.netem.entered`). The emulated-WAN demo uses it for
+    ``endpoint.netns``: fork the DHT process (and so its libp2p daemon) inside this named network namespace while the
+    calling process stays where it is (see :func:`agora.net.netns.entered`). The emulated-WAN demo uses it for
     processes that must be reachable from the host (the dashboard's web page) or that read the swarm from outside
     (the demo itself), yet must reach peers that only exist inside namespaces. ``host`` must then be the
     namespace's address. The DHT object is built first, outside, so that hivemind's result-pipe thread (started
     once per process by the first MPFuture) is not born inside the namespace.
     """
-    if announce_host and not port:
+    if endpoint.announce_host and not endpoint.port:
         raise JoinError("--announce-host needs a fixed --port: the announced address must name the port", 2)
     creds = None
     if manifest is not None:
         from agora.trust.credentials import CredentialError, load_credentials
 
         try:
-            creds = load_credentials(manifest, identity, certificate, writes=writes)
+            creds = load_credentials(manifest, endpoint.identity, endpoint.certificate, writes=writes)
         except CredentialError as err:
             raise JoinError(str(err), EXIT_CREDENTIALS) from None
     try:
-        dht = _start_dht(initial_peers, host, port, announce_host, identity, client_mode, manifest, creds, netns)
+        dht = _start_dht(initial_peers, endpoint, client_mode, manifest, creds)
     finally:
         if creds is not None:
             creds.discard_ephemeral()  # the daemon has read it; an ephemeral key never outlives the process
@@ -87,8 +95,10 @@ def make_dht(
     return dht
 
 
-def _start_dht(initial_peers, host, port, announce_host, identity, client_mode, manifest, creds, netns) -> DHT:
-    kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity, client_mode=client_mode)
+def _start_dht(initial_peers: Sequence[str], endpoint: Endpoint, client_mode: bool, manifest: Optional[Manifest],
+               creds) -> DHT:
+    host, port, netns = endpoint.host, endpoint.port, endpoint.netns
+    kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=endpoint.identity, client_mode=client_mode)
     if creds is not None:
         from agora.trust.credentials import record_validators
 
@@ -96,8 +106,8 @@ def _start_dht(initial_peers, host, port, announce_host, identity, client_mode, 
         kwargs["record_validators"] = record_validators(manifest, creds)
         if creds.ephemeral_dir:
             kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's; skip the probe
-    if announce_host:
-        kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
+    if endpoint.announce_host:
+        kwargs["announce_maddrs"] = [f"/ip4/{endpoint.announce_host}/tcp/{port}"]
     if netns is None:
         try:
             return DHT(initial_peers=list(initial_peers), start=True, **kwargs)

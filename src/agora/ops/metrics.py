@@ -6,9 +6,8 @@ Two kinds of numbers, fed two different ways so that a node pays (almost) nothin
   ``loss_ema``, the averager's round counts) are *read at scrape time* by a custom collector. Nothing is added to
   the hot path, and the values can never drift from what the node itself reports in its DHT record.
 * Latency distributions cannot be reconstructed from totals, so forward/backward times and averaging-round times
-  are recorded into histograms through the node's observer hooks (``compute_observers`` and the averager's
-  ``round_observers``). ``node.sync`` only exists after ``node.start()``, while metrics are served before it (so a
-  slow start is observable), hence the round observer is attached lazily by a tiny watcher thread.
+  are recorded into histograms by subscribing to the node's ``observers`` ("compute" and "round" events). Metrics
+  may be served before ``node.start()`` (so a slow start is observable): the subscriptions do not need a sync.
 
 Each server owns a private ``CollectorRegistry``: several nodes in one process (tests) never share or collide on
 metric names, and the process-global registry's default collectors (GC, platform) stay out of node metrics.
@@ -19,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import (
@@ -31,9 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from agora.net.records import PeerState
-
-if TYPE_CHECKING:
-    from agora.server.node import StageNode
+from agora.server.node import StageNode
 
 # Compute on a tiny CPU model takes milliseconds; a stage of an 8B model on a slow GPU takes seconds.
 COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -42,7 +39,7 @@ ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 12
 MICROBATCH_KINDS = ("forward", "backward", "eval", "failed", "retried", "rejected")
 
 
-def boundary_names(node: "StageNode") -> tuple[str, Optional[str]]:
+def boundary_names(node: StageNode) -> tuple[str, Optional[str]]:
     """(upstream boundary, downstream boundary) labels, e.g. ``("0->1", "1->2")``; the head's upstream is the trainer."""
     s = node.stage_index
     upstream = "trainer->0" if node.is_head else f"{s - 1}->{s}"
@@ -53,7 +50,7 @@ def boundary_names(node: "StageNode") -> tuple[str, Optional[str]]:
 class NodeCollector(Collector):
     """Reads the node's own counters at scrape time (one dict copy per scrape; nothing on the hot path)."""
 
-    def __init__(self, node: "StageNode"):
+    def __init__(self, node: StageNode):
         self.node = node
 
     def collect(self) -> Iterator[Any]:
@@ -100,16 +97,17 @@ class NodeCollector(Collector):
         yield calls
 
         yield GaugeMetricFamily("agora_queue_depth", "Jobs waiting for or running on the compute thread.",
-                                value=n._queue)
+                                value=n.queue)
         yield GaugeMetricFamily("agora_inflight_microbatches", "Microbatches between their forward and backward.",
                                 value=n.inflight)
         yield GaugeMetricFamily("agora_throughput_tokens_per_second", "Compute throughput (EMA), as announced.",
-                                value=n.throughput)
+                                value=n.runtime.throughput)
         yield GaugeMetricFamily("agora_optimizer_step", "Optimizer steps taken by this stage.", value=n.step)
         yield GaugeMetricFamily("agora_accumulated_samples", "Samples accumulated toward the next step.",
-                                value=n.samples)
-        if n.is_tail and not math.isnan(n.loss_ema):
-            yield GaugeMetricFamily("agora_loss_ema", "Training loss (EMA) seen by the tail stage.", value=n.loss_ema)
+                                value=n.runtime.samples)
+        if n.is_tail and not math.isnan(n.runtime.loss_ema):
+            yield GaugeMetricFamily("agora_loss_ema", "Training loss (EMA) seen by the tail stage.",
+                                    value=n.runtime.loss_ema)
         yield StateSetMetricFamily("agora_peer_state", "Lifecycle state of this peer.",
                                    value={s.value: n.state == s for s in PeerState})
 
@@ -138,7 +136,7 @@ class NodeCollector(Collector):
 class MetricsServer:
     """A running ``/metrics`` endpoint; ``close()`` stops it and detaches its observers from the node."""
 
-    node: "StageNode"
+    node: StageNode
     registry: CollectorRegistry
     host: str
     port: int
@@ -158,22 +156,17 @@ class MetricsServer:
 
 
 class _Hooks:
-    """Histograms fed by the node's observer hooks; attaches to ``node.sync`` as soon as it exists."""
+    """Histograms fed by the node's "compute" and "round" events."""
 
-    def __init__(self, node: "StageNode", registry: CollectorRegistry):
+    def __init__(self, node: StageNode, registry: CollectorRegistry):
         self.node = node
         self.compute = Histogram("agora_compute_seconds", "Forward/backward compute time of one microbatch.",
                                  ["kind"], buckets=COMPUTE_BUCKETS, registry=registry)
         self.rounds = Histogram("agora_averaging_round_seconds",
                                 "Duration of one optimizer step (all-reduce included), by outcome.",
                                 ["outcome"], buckets=ROUND_BUCKETS, registry=registry)
-        self._lock = threading.Lock()
-        self._sync: Any = None
-        self._closed = threading.Event()
-        node.compute_observers.append(self.on_compute)
-        self.attach()  # already started (tests, late metrics): no need to wait for the watcher
-        self._watcher = threading.Thread(target=self._watch, name="metrics-attach", daemon=True)
-        self._watcher.start()
+        node.observers.subscribe("compute", self.on_compute)
+        node.observers.subscribe("round", self.on_round)
 
     def on_compute(self, kind: str, seconds: float, tokens: int) -> None:
         self.compute.labels(kind).observe(seconds)
@@ -181,39 +174,12 @@ class _Hooks:
     def on_round(self, ok: bool, seconds: float, group_size: int) -> None:
         self.rounds.labels("ok" if ok else "failed").observe(seconds)
 
-    def attach(self) -> bool:
-        """Attach the round observer to the node's current averager; True once attached (idempotent)."""
-        with self._lock:
-            sync = self.node.sync
-            if sync is None or self._closed.is_set():
-                return False
-            if sync is not self._sync:
-                if self._sync is not None and self.on_round in self._sync.round_observers:
-                    self._sync.round_observers.remove(self.on_round)
-                sync.round_observers.append(self.on_round)
-                self._sync = sync
-            return True
-
-    def _watch(self) -> None:
-        if self._sync is not None:
-            return
-        # Rounds need accumulated samples, which need a serving node, which needs start() to have set node.sync
-        # well before: a 0.2 s poll never misses the first round.
-        while not self._closed.wait(0.2):
-            if self.attach():
-                return
-
     def close(self) -> None:
-        self._closed.set()
-        with self._lock:
-            if self.on_compute in self.node.compute_observers:
-                self.node.compute_observers.remove(self.on_compute)
-            if self._sync is not None and self.on_round in self._sync.round_observers:
-                self._sync.round_observers.remove(self.on_round)
-        self._watcher.join(timeout=1)
+        self.node.observers.unsubscribe("compute", self.on_compute)
+        self.node.observers.unsubscribe("round", self.on_round)
 
 
-def serve_node_metrics(node: "StageNode", port: int, host: str = "127.0.0.1") -> MetricsServer:
+def serve_node_metrics(node: StageNode, port: int, host: str = "127.0.0.1") -> MetricsServer:
     """Serve Prometheus metrics of ``node`` at ``http://host:port/metrics`` (``port=0``: any free port).
 
     The default host is loopback: metrics name peers and volumes, so exposing them is an explicit choice

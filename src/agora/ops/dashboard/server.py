@@ -238,10 +238,11 @@ def run_dashboard(manifest, initial_peers: Sequence[str], host: str = "127.0.0.1
     ``dht_host``/``dht_netns``: where the DHT client lives (see ``make_dht``). The web page is served from this
     process's own namespace, so a swarm emulated in network namespaces stays watchable from the host.
     """
-    from agora.net.dht import install_stop_signals, make_dht
+    from agora.net.dht import Endpoint, install_stop_signals, make_dht
     from agora.ops.status import swarm_status
 
-    dht = make_dht(initial_peers, host=dht_host, client_mode=True, netns=dht_netns, manifest=manifest, writes=False)
+    dht = make_dht(initial_peers, Endpoint(host=dht_host, netns=dht_netns), manifest=manifest, client_mode=True,
+                   writes=False)
     state = DashboardState(layout=manifest.stages)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dashboard-dht")
 

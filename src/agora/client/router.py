@@ -1,0 +1,146 @@
+"""Sending one request to some peer of a stage: pick -> call -> classify -> ban -> retry, written once.
+
+Both callers of the pipeline use it: a trainer sending token ids to a head (``client/trainer.py``) and a stage
+sending its boundary to the next stage (``server/downstream.py``). Failures are routed around, not punished
+blindly: a peer that fails itself (``protocol.BANNABLE``) is banned for a while; one that is leaving, busy or
+reports trouble further down is only skipped for this request. Bans are preferences: when every peer is banned the
+request still goes to one of them rather than failing. Retries are bounded; a wait for an empty stage is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from agora.net import transport
+from agora.net.protocol import BANNABLE, FWD_BWD, RETRYABLE
+from agora.net.records import StageRecord
+from agora.net.routing import BanList, pick_peer_or_fallback
+from agora.net.transport import RpcError, TransferStats
+
+logger = logging.getLogger("agora.router")
+
+Reply = tuple[dict, list[torch.Tensor]]
+
+
+class PeerSource(Protocol):
+    """Where a router finds the peers of its stage."""
+
+    def candidates(self) -> Sequence[StageRecord]:
+        """The current records of the stage's peers that may be called (banned ones left out)."""
+
+    async def refresh(self) -> None:
+        """Re-read the records (called while the stage has no usable peer)."""
+
+
+@dataclass
+class RouterOptions:
+    max_retries: int = 3
+    timeout_s: float = 30.0  # one call, the downstream chain included
+    wait_for_peers_s: float = 60.0  # how long a request waits for an empty stage before giving up
+    backoff_s: float = 0.5  # pause before calling again a peer this request already tried (x its failed tries)
+    ban_s: float = 15.0
+    retryable: frozenset = field(default=RETRYABLE)  # codes worth another replica; others are raised at once
+    warn_when_empty: bool = True  # log once per request while the stage has no peer
+
+
+class Router:
+    """Calls ``FWD_BWD`` (or another RPC) on the peers of one stage, with bounded retries on other replicas.
+
+    :param p2p: hivemind's P2P of this process
+    :param namespace: the run id (RPC namespace)
+    :param stage: the stage called (for messages only)
+    :param stats: byte counters of every call made through this router
+    :param errors: per error code, how many calls failed with it (incremented)
+    """
+
+    def __init__(self, p2p, namespace: str, stage: int, source: PeerSource, options: RouterOptions,
+                 stats: Optional[TransferStats] = None, errors: Optional[dict[str, int]] = None,
+                 acks: Optional[dict[str, int]] = None):
+        self.p2p, self.namespace, self.stage, self.source, self.opts = p2p, namespace, stage, source, options
+        self.stats = stats if stats is not None else TransferStats()
+        self.errors = errors if errors is not None else {}
+        self.bans = BanList(options.ban_s)
+        self.inflight: dict[str, int] = {}
+        # Receiver-side acknowledgements: how many results each peer delivered to us. Published in the DHT under our
+        # own id, so a peer's acknowledged work is vouched for by others, never by itself.
+        self.acks: dict[str, int] = acks if acks is not None else {}
+
+    async def pick(self, tried: list[str], job_tokens: int = 1,
+                   stopped: Callable[[], bool] = lambda: False) -> Optional[StageRecord]:
+        """A peer for the next attempt: untried and unbanned if possible, else the best of the rest; waits up to
+        ``wait_for_peers_s`` while the stage has no peer. None when stopped or nobody appeared in time."""
+        deadline = time.monotonic() + self.opts.wait_for_peers_s
+        warned = False
+        while True:
+            peer = pick_peer_or_fallback(self.source.candidates(), job_tokens, tried=tried, bans=self.bans,
+                                         inflight=self.inflight)
+            if peer is not None:
+                return peer
+            if time.monotonic() > deadline or stopped():
+                return None
+            if self.opts.warn_when_empty and not warned:
+                logger.warning(f"stage {self.stage} has no peers; waiting")
+                warned = True
+            await asyncio.sleep(0.5)
+            await self.source.refresh()
+
+    async def call(self, meta: dict, tensors: list[torch.Tensor], *, job_tokens: int = 1,
+                   stopped: Callable[[], bool] = lambda: False,
+                   accept: Optional[Callable[[StageRecord, Reply], Awaitable[bool]]] = None,
+                   on_retry: Optional[Callable[[], None]] = None, rpc: str = FWD_BWD) -> tuple[StageRecord, Reply]:
+        """Call ``rpc`` on a peer of the stage; on a retryable failure, or a reply ``accept`` refuses, try another.
+
+        Raises the peer's ``RpcError`` when its code is not retryable, ``no_peers`` when the stage stayed empty
+        (or ``stopped``), ``retries_exhausted`` after ``max_retries`` retries. ``on_retry`` runs before each retry.
+        """
+        tried: list[str] = []
+        last_error: Optional[Exception] = None
+        for attempt in range(self.opts.max_retries + 1):
+            if attempt and on_retry is not None:
+                on_retry()
+            peer = await self.pick(tried, job_tokens, stopped)
+            if peer is None:
+                raise RpcError("no_peers", f"stage {self.stage} has no reachable peers (tried {len(tried)})")
+            if peer.peer_id in tried:
+                await asyncio.sleep(self.opts.backoff_s * tried.count(peer.peer_id))
+            try:
+                reply = await self._call_one(peer.peer_id, meta, tensors, rpc)
+            except RpcError as err:
+                last_error = err
+                self._failed(peer.peer_id, err, tried, attempt)
+                continue
+            if accept is not None and not await accept(peer, reply):
+                tried.append(peer.peer_id)
+                last_error = RpcError("sentinel", f"reply of {peer.peer_id[-8:]} refused")
+                continue
+            self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
+            return peer, reply
+        raise RpcError("retries_exhausted",
+                       f"stage {self.stage}: {self.opts.max_retries} retries failed; last: {last_error}")
+
+    async def _call_one(self, peer_id: str, meta: dict, tensors: list[torch.Tensor], rpc: str) -> Reply:
+        self.inflight[peer_id] = self.inflight.get(peer_id, 0) + 1
+        try:
+            return await transport.call(self.p2p, peer_id, self.namespace, rpc, meta, tensors, self.opts.timeout_s,
+                                        stats=self.stats)
+        finally:
+            self.inflight[peer_id] -= 1
+
+    def _failed(self, peer_id: str, err: RpcError, tried: list[str], attempt: int) -> None:
+        """Classify a failed call: raise it if no replica can do better, else remember the peer (and ban it when
+        the failure is its own)."""
+        self.errors[err.code] = self.errors.get(err.code, 0) + 1
+        if err.code not in self.opts.retryable:
+            raise err
+        tried.append(peer_id)
+        if err.code in BANNABLE:
+            self.bans.ban(peer_id)
+        final = attempt == self.opts.max_retries
+        logger.warning(f"stage {self.stage} peer {peer_id[-8:]} failed ({err.code}); "
+                       f"{'giving up' if final else f'retry {attempt + 1}'}")

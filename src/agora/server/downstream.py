@@ -1,0 +1,94 @@
+"""Where a microbatch goes next: the boundary to a peer of the next stage, and its gradient back.
+
+``Downstream.send`` is the one place a stage's output leaves it. The peer is picked and retried by the shared
+router (``agora.client.router``); with SENTINEL a returned gradient is screened before it is accepted, and a
+flagged one is retried on another replica (an exact reproduction there withdraws the flag).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from agora.client.router import Reply, Router, RouterOptions
+from agora.config import Manifest
+from agora.net.records import StageRecord, read_stage
+from agora.net.transport import TransferStats
+from agora.server.runtime import Counters
+from agora.server.screening import Message, Screening
+from agora.wire import Boundary
+
+logger = logging.getLogger("agora.node")
+
+
+class Downstream:
+    """The next stage as seen from one stage: its records (refreshed off the hot path) and a router to it.
+
+    :param stage_index: the stage sending (its next stage is called)
+    :param run_io: ``await run_io(fn, *args)`` on the node's I/O threads
+    :param is_leaving: whether the node is leaving (a hop then stops waiting for an empty next stage)
+    """
+
+    def __init__(self, manifest: Manifest, stage_index: int, dht, p2p, options: RouterOptions,
+                 stats: TransferStats, counters: Counters, hooks: "DownstreamHooks"):
+        self.manifest, self.stage_index, self.dht = manifest, stage_index, dht
+        self.next_stage = stage_index + 1
+        self.counters, self.hooks = counters, hooks
+        self.records: list[StageRecord] = []
+        self.router = Router(p2p, manifest.run_id, self.next_stage, self, options, stats=stats)
+
+    # ------------------------------------------------------------------ the router's view (PeerSource)
+    def candidates(self) -> list[StageRecord]:
+        banned = self.hooks.screening.banned_peers() if self.hooks.screening is not None else set()
+        return [r for r in self.records if r.peer_id not in banned] if banned else self.records
+
+    async def refresh(self) -> None:
+        if self.next_stage >= self.manifest.n_stages:
+            return
+        try:
+            self.records = await self.hooks.run_io(read_stage, self.dht, self.manifest.run_id, self.next_stage,
+                                                   self.manifest.hash)
+        except Exception as err:
+            logger.warning(f"reading stage {self.next_stage} records failed: {err!r}")
+
+    # ------------------------------------------------------------------ one hop
+    async def send(self, meta: dict, boundary: Boundary, last: torch.Tensor, version: Optional[list] = None) -> Reply:
+        """Send the boundary to a peer of the next stage and return its reply (loss, path, the gradient of the
+        boundary); retries other replicas on failures (bounded). ``version``: this stage's ``sent_version`` for the
+        microbatch (the receiver's SENTINEL uses it)."""
+        down_meta = dict(meta, stage=self.next_stage, version=version)
+        tensors = [boundary.coords, boundary.tokens, last]
+        screening = self.hooks.screening
+        train = meta.get("train", True)
+
+        async def accept(peer: StageRecord, reply: Reply) -> bool:
+            grads = reply[1]
+            if screening is None or not train or len(grads) != 1 or grads[0].shape != boundary.coords.shape:
+                return True
+            msg = Message(peer.peer_id, self.stage_index, "bwd", grads[0], boundary.tokens, paired=boundary.coords,
+                          version=reply[0].get("version"))
+            flagged = await screening.screen(msg)
+            if flagged:
+                logger.warning(f"gradient from stage {self.next_stage} peer {peer.peer_id[-8:]} flagged; trying "
+                               f"another replica")
+                if "bwd" in screening.audited():
+                    screening.start_audit(msg, down_meta, tensors, flagged=True)
+            else:
+                screening.maybe_audit(msg, down_meta, tensors, flagged=False)
+            return not flagged
+
+        def count_retry() -> None:
+            self.counters.retried += 1
+
+        _, reply = await self.router.call(down_meta, tensors, stopped=self.hooks.is_leaving, accept=accept,
+                                          on_retry=count_retry)
+        return reply
+
+
+class DownstreamHooks:
+    """The node's callbacks the next hop needs (explicit, so it never holds the node)."""
+
+    def __init__(self, run_io, is_leaving, screening: Optional[Screening]):
+        self.run_io, self.is_leaving, self.screening = run_io, is_leaving, screening

@@ -1,0 +1,240 @@
+"""The node's RPCs: who may call, what a valid request is, and the path of one microbatch through this stage.
+
+``fwd_bwd`` (``StageHandler.fwd_bwd``): authorize -> rate limit -> validate -> screen (SENTINEL) -> forward on the
+compute thread -> ``Downstream.send`` to the next stage -> backward -> reply with the gradient of our input. Audit
+requests (``audit: true``) recompute a message without training. ``get_state`` serves parameters and optimizer
+moments to a replica that joins or repairs; ``info`` a peer's record and recent events. Compute lives in
+``runtime.py``, the next hop in ``downstream.py``: this module only frames and orders them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+
+from agora.config import Manifest
+from agora.net import transport
+from agora.net.protocol import FWD_BWD, GET_STATE, INFO
+from agora.net.records import PeerState
+from agora.net.transport import RpcError
+from agora.server.runtime import StageRuntime
+from agora.server.runtime import Pending
+from agora.server.screening import Message
+
+logger = logging.getLogger("agora.node")
+
+
+def validate_fwd_bwd(manifest: Manifest, runtime: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> None:
+    """Refuse a ``fwd_bwd`` request this stage cannot compute, with the error code that says why."""
+    m = manifest
+    expected = 2 if runtime.is_head else 3
+    if len(tensors) != expected:
+        raise RpcError("shape_mismatch", f"expected {expected} tensors, got {len(tensors)}")
+    tokens, last = tensors[-2], tensors[-1]
+    if tokens.dtype != torch.int32 or last.dtype != torch.int32:
+        raise RpcError("dtype_mismatch", f"token ids must be int32, got {tokens.dtype} and {last.dtype}")
+    if tokens.dim() != 2 or tokens.shape[1] > m.model.seq_len or tokens.shape[0] == 0:
+        raise RpcError("shape_mismatch", f"tokens must be [batch, <= {m.model.seq_len}], got {tuple(tokens.shape)}")
+    if tokens.shape[0] > 4 * m.batch.target_batch_size:
+        raise RpcError("too_large", f"microbatch of {tokens.shape[0]} sequences is larger than allowed")
+    if last.shape != (tokens.shape[0],):
+        raise RpcError("shape_mismatch", f"last-token ids must be [{tokens.shape[0]}], got {tuple(last.shape)}")
+    v = m.model.vocab_size
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v or int(last.min()) < 0
+                           or int(last.max()) >= v):
+        raise RpcError("bad_token", f"token ids must be in [0, {v})")
+    if not runtime.is_head:
+        coords = tensors[0]
+        width = m.residual.k if m.residual.mode == "subspace" else m.model.d_model
+        want = (tokens.shape[0], tokens.shape[1], width)
+        if tuple(coords.shape) != want:
+            raise RpcError("shape_mismatch", f"boundary must be {want}, got {tuple(coords.shape)}")
+        if coords.dtype != runtime.wire_dtype:
+            raise RpcError("dtype_mismatch", f"boundary dtype must be {runtime.wire_dtype}, got {coords.dtype}")
+        if not torch.isfinite(coords).all():
+            raise RpcError("non_finite", "boundary contains NaN or Inf")
+
+
+class StageHandler:
+    """Serves the node's RPCs; every refusal is counted per code in the node's counters.
+
+    :param node: the ``StageNode`` that owns this handler (its runtime, downstream, screening and counters)
+    """
+
+    def __init__(self, node: Any):
+        self.node = node
+        self.manifest = node.manifest
+        self._members_lock = asyncio.Lock()
+
+    async def register(self, p2p) -> None:
+        ns = self.manifest.run_id
+        await transport.add_handler(p2p, ns, FWD_BWD, self.fwd_bwd, stats=self.node.stats_in)
+        await transport.add_handler(p2p, ns, GET_STATE, self.get_state)
+        await transport.add_handler(p2p, ns, INFO, self.info)
+
+    def reject(self, code: str, message: str) -> RpcError:
+        self._count_rejection(code)
+        return RpcError(code, message)
+
+    def _count_rejection(self, code: str) -> None:
+        counters = self.node.counters
+        counters.rejected += 1
+        counters.rejected_by_code[code] = counters.rejected_by_code.get(code, 0) + 1
+
+    # ------------------------------------------------------------------ admission
+    async def authorize(self, caller: str) -> None:
+        """Refuse callers without a certified record in an allow-listed run; no-op in open runs.
+
+        An unknown caller triggers one DHT re-read (at most one per second), so a peer that just announced itself
+        is served on its first or second try, and an outsider's flood costs one read per second.
+        """
+        node, members = self.node, self.node.members
+        if members is None or members.known(caller):
+            return
+        # One refresh at a time: concurrent first calls of a new peer wait for it instead of being refused.
+        async with self._members_lock:
+            if not members.known(caller) and members.should_refresh():
+                try:
+                    await node.run_io(members.refresh, node.dht)
+                except Exception as err:  # the DHT is slow: refuse now, the caller retries
+                    logger.debug(f"membership refresh failed: {err!r}")
+        if not members.known(caller):
+            raise self.reject("unauthorized", f"peer {caller} holds no certified record of run "
+                                              f"{self.manifest.run_id!r} (allow-listed run)")
+
+    def check_addressed(self, meta: dict) -> None:
+        """The request is for this run, manifest and stage, and this peer serves it now."""
+        m, node = self.manifest, self.node
+        if meta.get("run_id") != m.run_id:
+            raise self.reject("wrong_run", f"this peer serves run {m.run_id!r}, not {meta.get('run_id')!r}")
+        if meta.get("manifest_hash") != m.hash:
+            raise self.reject("manifest_mismatch", f"manifest hash {meta.get('manifest_hash')} != this peer's {m.hash}")
+        if meta.get("stage") != node.stage_index:
+            if meta.get("stage") in node.previous_stages:  # a caller still routes by our record before a move
+                raise RpcError("leaving", f"this peer moved to stage {node.stage_index}")
+            raise self.reject("wrong_stage", f"this peer serves stage {node.stage_index}, not {meta.get('stage')}")
+        if node.state != PeerState.SERVING:
+            raise RpcError("leaving" if node.state == PeerState.LEAVING else "not_serving",
+                           f"peer is {node.state.value}")
+
+    async def admit(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:
+        node = self.node
+        await self.authorize(sender)
+        if sender in node.banned_peers():
+            raise self.reject("banned", f"peer {sender} is banned here for sending corrupted messages")
+        if not node.limiter.allow(sender):
+            raise self.reject("rate_limited", f"more than {node.opts.rate_limit_per_s:.0f} calls/s from {sender}")
+        self.check_addressed(meta)
+        try:
+            validate_fwd_bwd(self.manifest, node.runtime, meta, tensors)
+        except RpcError as err:
+            self._count_rejection(err.code)
+            if err.code == "non_finite" and node.screening is not None:  # NaN/Inf: let SENTINEL ban the sender
+                await node.screening.screen(self._activations(sender, meta, tensors))
+            raise
+
+    def _activations(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> Message:
+        return Message(sender, self.node.stage_index - 1, "fwd", tensors[0], tensors[-2], version=meta.get("version"))
+
+    # ------------------------------------------------------------------ fwd_bwd
+    async def fwd_bwd(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
+        sender = str(caller)
+        await self.admit(sender, meta, tensors)
+        rt = self.node.runtime
+        if meta.get("audit"):
+            return await self._audit(rt, tensors)
+        train = bool(meta.get("train", True))
+        if not rt.is_head and train:
+            await self._screen_activations(sender, meta, tensors)
+        return await self.process(rt, meta, tensors, train)
+
+    async def _audit(self, rt: StageRuntime, tensors: list[torch.Tensor]):
+        """Recompute for a replica's receiver; nothing here trains on it, so it is not screened either."""
+        if not (rt.is_tail or rt.is_head):
+            raise self.reject("wrong_stage", "audits are served by the first and the last stage only")
+        recompute = rt.recompute_tail if rt.is_tail else rt.recompute_head
+        out, version = await self.node.run_compute(recompute, tensors, rt.generation)
+        return {"loss": None, "path": [self.node.peer_id], "version": version}, [out]
+
+    async def _screen_activations(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:
+        screening = self.node.screening
+        if screening is None:
+            return
+        msg = self._activations(sender, meta, tensors)
+        flagged = await screening.screen(msg)
+        screening.maybe_audit(msg, meta, tensors, flagged)
+        if flagged:
+            raise self.reject("sentinel", "activations flagged as corrupted by SENTINEL")
+
+    # ------------------------------------------------------------------ one microbatch through this stage
+    async def process(self, rt: StageRuntime, meta: dict, tensors: list[torch.Tensor], train: bool):
+        """Forward here, the rest of the pipeline downstream, backward here; the reply goes upstream."""
+        node, counters = self.node, self.node.counters
+        node.inflight += 1
+        node.queue += 1
+        try:
+            pending, loss = await node.run_compute(rt.forward, tensors, train, rt.generation)
+            node.queue -= 1
+            counters.forward += 1
+            counters.tokens += pending.tokens.numel() if train else 0
+            counters.eval += 0 if train else 1
+            if rt.is_tail:
+                return await self._finish_tail(rt, pending, loss, train)
+            boundary = rt.boundary(pending)
+            down_meta, down_tensors = await node.downstream.send(meta, boundary, tensors[-1], pending.version)
+            path = [node.peer_id, *down_meta.get("path", [])]
+            if not train:
+                return {"loss": down_meta.get("loss"), "path": path}, []
+            grad = self._checked_gradient(down_tensors, boundary.coords.shape)
+            node.queue += 1
+            grad_in = await node.run_compute(rt.backward, pending, grad)
+            node.queue -= 1
+            counters.backward += 1
+            return {"loss": down_meta.get("loss"), "path": path, "version": pending.version}, _tensors(grad_in)
+        except RpcError:
+            counters.failed += 1
+            raise
+        finally:
+            node.inflight -= 1
+            node.queue = max(0, node.queue)
+
+    async def _finish_tail(self, rt: StageRuntime, pending: Pending, loss, train: bool):
+        grad_in = None
+        if train:
+            if loss is not None:
+                rt.record_loss(loss)
+            grad_in = await self.node.run_compute(rt.finish_tail, pending)
+            self.node.counters.backward += 1
+        return {"loss": loss, "path": [self.node.peer_id], "version": pending.version}, _tensors(grad_in)
+
+    def _checked_gradient(self, down_tensors: list[torch.Tensor], shape) -> torch.Tensor:
+        nxt = self.node.stage_index + 1
+        if len(down_tensors) != 1 or tuple(down_tensors[0].shape) != tuple(shape):
+            raise RpcError("bad_reply", f"stage {nxt} returned a malformed gradient")
+        if not torch.isfinite(down_tensors[0]).all():
+            raise RpcError("non_finite", f"stage {nxt} returned a non-finite gradient")
+        return down_tensors[0]
+
+    # ------------------------------------------------------------------ state and info
+    async def get_state(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
+        node = self.node
+        await self.authorize(str(caller))
+        if meta.get("run_id") != self.manifest.run_id or meta.get("manifest_hash") != self.manifest.hash:
+            raise RpcError("manifest_mismatch", "state requested for another run or manifest")
+        if meta.get("stage") != node.stage_index:
+            raise RpcError("wrong_stage", f"this peer serves stage {node.stage_index}")
+        if node.state not in (PeerState.SERVING, PeerState.LEAVING) or node.sync is None:
+            raise RpcError("not_serving", f"peer is {node.state.value}: its state is not settled")
+        step, names, state = await node.run_compute(node.runtime.export_state)
+        return {"step": step, "names": names, "fingerprint": node.sync.fingerprint}, state
+
+    async def info(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
+        return {"record": self.node.record().to_value(), "events": self.node.events[-20:]}, []
+
+
+def _tensors(grad: torch.Tensor | None) -> list[torch.Tensor]:
+    return [grad] if grad is not None else []

@@ -1,0 +1,333 @@
+"""One stage's compute: forward, backward, optimizer steps, weight stashing and state export/import.
+
+Everything here runs on the node's single compute thread (``StageNode.run_compute``), so the stage's parameters are
+only ever touched from one thread and an optimizer step never interleaves with half a backward. No networking: the
+RPC handler (``handler.py``) and the replica sync (``averaging/``) call these methods. A stage move builds a new
+``StageRuntime``; an in-flight microbatch of a runtime that is no longer active is refused with ``leaving``.
+
+Weight stashing: forwards of one parameter version share one snapshot of the weights, so a backward that arrives
+after an optimizer step still differentiates exactly the function its forward computed (no recompute); its
+gradient is then moved to the live parameters. ``version`` counts every change of the parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from agora.config import Manifest
+from agora.model import Stage
+from agora.net.transport import RpcError
+from agora.optim import build_optimizer, set_lr
+from agora.server.checkpoint import save_stage_checkpoint
+from agora.server.observers import Observers
+from agora.wire import WIRE_DTYPES, Boundary, compress, decompress
+
+# An output filter sees every message this stage sends before it leaves: (direction, tensor) -> tensor, where
+# direction is "fwd" (the boundary to the next stage) or "bwd" (the gradient returned upstream). Production nodes
+# have none; the attack simulator (``agora.lab.attacks``) registers one through ``add_output_filter``.
+OutputFilter = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Counters:
+    """Microbatch accounting of this peer (exported in the DHT record and /metrics)."""
+
+    forward: int = 0
+    backward: int = 0
+    eval: int = 0
+    tokens: int = 0
+    retried: int = 0
+    failed: int = 0
+    rejected: int = 0
+    busy_s: float = 0.0
+    # Staleness: optimizer steps this stage took between a microbatch's forward and its backward (its gradient is
+    # applied at the next step after that). Sum and count give the mean; the max bounds the pipeline's delay.
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    rejected_by_code: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Pending:
+    """What a microbatch left on this stage between its forward and its backward."""
+
+    tokens: torch.Tensor
+    leaf: Optional[torch.Tensor]
+    out: torch.Tensor
+    step: int
+    generation: int = 0  # the runtime's activation: a microbatch of a stage the node left is refused
+    fwd_s: float = 0.0  # compute seconds of the forward (throughput counts forward + backward per microbatch)
+    weights: Optional[dict] = None  # the stashed parameter snapshot the forward ran on
+    version: Optional[list] = None  # ``sent_version`` of the weights the forward ran on (read on the compute thread)
+
+
+def next_token_targets(tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of a microbatch: its tokens shifted by one, then each sequence's following token."""
+    return torch.cat([tokens[:, 1:], last[:, None]], dim=1)
+
+
+class StageRuntime:
+    """The parameters, optimizer and microbatch bookkeeping of one stage (compute thread only).
+
+    :param counters: the node's counters, shared across the runtimes of its stage moves
+    :param observers: where compute timings are published ("compute": kind, seconds, tokens)
+    :param fingerprint_at: ``step -> fingerprint or None``: the replica sync's fingerprint of the parameters at that
+      step, sent with every message (``sent_version``) so that SENTINEL compares replicas holding the same weights
+    """
+
+    def __init__(self, manifest: Manifest, stage_index: int, counters: Counters, observers: Observers,
+                 checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0):
+        self.manifest = manifest
+        self.stage_index = stage_index
+        self.stage = Stage(manifest, stage_index)
+        self.is_head, self.is_tail = self.stage.spec.is_head, self.stage.spec.is_tail
+        self.optimizer = build_optimizer(self.stage, manifest.optimizer)
+        self.counters = counters
+        self.observers = observers
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self.step = 0
+        self.version = 0  # bumped whenever the parameters change (optimizer step, state import, averaging)
+        self.generation = 0  # set by the node when it activates this runtime; pending microbatches must match
+        self.samples = 0  # samples whose gradients sit in .grad, waiting for the next step
+        self.last_sample_time = time.monotonic()
+        self.throughput = 0.0  # tokens/s of compute, EMA
+        self.loss_ema = float("nan")
+        self.wire_dtype = WIRE_DTYPES[manifest.residual.wire_dtype]
+        self.fingerprint_at: Callable[[int], Optional[float]] = lambda step: None
+        self.output_filters: list[OutputFilter] = []
+        self._stash_version = -1
+        self._stash_weights: Optional[dict] = None
+
+    # ------------------------------------------------------------------ activation (stage moves)
+    def activate(self, generation: int) -> None:
+        """Serve from this runtime under ``generation``: microbatches of earlier activations are refused, and
+        gradients, samples and measurements of an earlier stint are dropped (they belong to a stage left)."""
+        self.generation = generation
+        self.version += 1
+        for p in self.stage.parameters():
+            p.grad = None
+        self.samples = 0
+        self.throughput = 0.0
+        self.loss_ema = float("nan")
+        set_lr(self.optimizer, self.manifest.optimizer, self.step)
+
+    def check_generation(self, generation: int) -> None:
+        if generation != self.generation:
+            raise RpcError("leaving", f"this peer moved to stage {self.stage_index}")
+
+    def sent_version(self, step: int) -> list:
+        """[step, fingerprint] of the weights a message computed at ``step`` came from (fingerprint None when the
+        sync has none for that step, e.g. during a state download). Call on the compute thread."""
+        return [int(step), self.fingerprint_at(step)]
+
+    def filtered(self, direction: str, tensor: torch.Tensor) -> torch.Tensor:
+        for fn in self.output_filters:
+            tensor = fn(direction, tensor)
+        return tensor
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, tensors: list[torch.Tensor], train: bool, generation: int) -> tuple[Pending, Optional[float]]:
+        """The stage's forward for a microbatch (the tail also runs its backward here); returns what the backward
+        needs and the loss (tail only)."""
+        self.check_generation(generation)
+        t0 = time.perf_counter()
+        tokens, last = tensors[-2].long(), tensors[-1].long()
+        stash = self._stashed() if train and not self.is_tail else None
+        with torch.set_grad_enabled(train):
+            leaf, out = self.forward_from(None if self.is_head else tensors[0], tokens, stash)
+            loss = None
+            if self.is_tail:
+                loss_t = self.stage.loss(out, next_token_targets(tokens, last))
+                loss = float(loss_t.detach())
+                if train:
+                    # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean.
+                    (loss_t * tokens.shape[0]).backward()
+        fwd_s = self._account(t0, tokens.numel(), "forward")
+        if self.is_tail and train:
+            self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
+        return Pending(tokens, leaf, out, self.step, self.generation, fwd_s, stash, self.sent_version(self.step)), loss
+
+    def boundary(self, pending: Pending) -> Boundary:
+        """What this (non-tail) stage sends downstream for ``pending``: the compressed output, through the output
+        filters."""
+        boundary = compress(pending.out.detach(), pending.tokens, self.stage.basis, self.manifest.residual.wire_dtype)
+        if self.output_filters:
+            boundary.coords = self.filtered("fwd", boundary.coords)
+        return boundary
+
+    def _stashed(self) -> dict:
+        """The weight snapshot of the current parameter version (made once per version: one copy per step)."""
+        if self._stash_version != self.version or self._stash_weights is None:
+            self._stash_weights = {n: p.detach().clone().requires_grad_(True) for n, p in self.stage.named_parameters()}
+            self._stash_version = self.version
+        return self._stash_weights
+
+    def forward_from(self, coords: Optional[torch.Tensor], tokens: torch.Tensor, weights: Optional[dict] = None):
+        """(leaf, output): ``leaf`` is the received coordinates as a grad-tracking leaf (None on the head).
+        With ``weights`` the stage runs on that snapshot instead of its live parameters."""
+        run = self.stage if weights is None else functools.partial(torch.func.functional_call, self.stage, weights)
+        if self.is_head:
+            return None, run(tokens) if weights is None else run((tokens,))
+        leaf = coords.detach().float().requires_grad_(torch.is_grad_enabled())
+        x = decompress(Boundary(leaf, tokens, self.manifest.residual.mode), self.stage.basis, self.stage.frozen_embed)
+        return leaf, run(x) if weights is None else run((x,))
+
+    def backward(self, pending: Pending, grad_out: torch.Tensor) -> Optional[torch.Tensor]:
+        """Backward of a non-tail stage from the gradient of its output; returns the gradient to send upstream."""
+        self.check_generation(pending.generation)
+        t0 = time.perf_counter()
+        # Every training forward of a stage that sends a boundary ran on a weight snapshot (``forward``): the
+        # backward differentiates exactly that function, whatever steps were taken since. No recompute.
+        next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
+        sent = pending.out @ next_basis if next_basis is not None else pending.out
+        sent.backward(grad_out.to(sent.dtype))
+        if pending.weights is not None:
+            # The gradient landed on the snapshot: move it to the live parameters, where steps are taken.
+            for name, p in self.stage.named_parameters():
+                g = pending.weights[name].grad
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+                    pending.weights[name].grad = None
+        stale = self.step - pending.step
+        self.counters.staleness_sum += stale
+        self.counters.staleness_max = max(self.counters.staleness_max, stale)
+        self._measure(pending.tokens.numel(), pending.fwd_s + self._account(t0, pending.tokens.numel(), "backward"))
+        return self._accepted(pending)
+
+    def finish_tail(self, pending: Pending) -> Optional[torch.Tensor]:
+        """The tail's backward already ran in ``forward``: count the samples, return the gradient for upstream."""
+        self.check_generation(pending.generation)
+        return self._accepted(pending)
+
+    def _accepted(self, pending: Pending) -> Optional[torch.Tensor]:
+        self.samples += pending.tokens.shape[0]
+        self.last_sample_time = time.monotonic()
+        if pending.leaf is None:
+            return None
+        return self.filtered("bwd", pending.leaf.grad.to(self.wire_dtype))
+
+    def record_loss(self, loss: float) -> None:
+        self.loss_ema = loss if self.loss_ema != self.loss_ema else 0.9 * self.loss_ema + 0.1 * loss
+
+    # ------------------------------------------------------------------ audits (SENTINEL)
+    def recompute_head(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
+        """An audit request to a head: the boundary coordinates it sends for these tokens, without training (the
+        same computation as a training forward, whose stashed weights equal the live ones of that version)."""
+        self.check_generation(generation)
+        tokens = tensors[-2].long()
+        with torch.no_grad():
+            out = self.stage(tokens)
+        coords = compress(out, tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords
+        return coords, self.sent_version(self.step)
+
+    def recompute_tail(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
+        """An audit request: the gradient this tail returns for ``tensors``, without training on it (no parameter
+        gradients, samples or throughput counted), and the version of the weights used. The same computation as
+        ``forward`` + ``finish_tail``, so that an honest tail at the same version reproduces it bit for bit."""
+        self.check_generation(generation)
+        tokens, last = tensors[-2].long(), tensors[-1].long()
+        with torch.enable_grad():
+            leaf, out = self.forward_from(tensors[0], tokens)
+            loss = self.stage.loss(out, next_token_targets(tokens, last)) * tokens.shape[0]
+            (grad,) = torch.autograd.grad(loss, leaf)
+        return grad.to(self.wire_dtype), self.sent_version(self.step)
+
+    # ------------------------------------------------------------------ measurements
+    def _account(self, t0: float, n_tokens: int, kind: str) -> float:
+        dt = time.perf_counter() - t0
+        self.counters.busy_s += dt
+        self.observers.emit("compute", kind, dt, n_tokens)
+        return dt
+
+    def _measure(self, n_tokens: int, seconds: float) -> None:
+        """Throughput = tokens per compute second of a whole training microbatch (forward + backward), as an EMA.
+
+        Per microbatch, not per call: averaging a fast forward's rate with a slow backward's would overstate every
+        stage but the tail (whose forward includes the backward), and routing and rebalancing compare stages.
+        """
+        if seconds > 0:
+            rate = n_tokens / seconds
+            self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
+
+    # ------------------------------------------------------------------ steps and state
+    def take_gradients(self) -> tuple[int, list[torch.Tensor]]:
+        """Move the accumulated gradient sums out (as means over their samples) and restart accumulation."""
+        n = self.samples
+        grads = []
+        for p in self.stage.parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads.append(g.double() / max(n, 1))
+            p.grad = None
+        self.samples = 0
+        return n, grads
+
+    def apply_step(self, grads: Optional[list[torch.Tensor]]) -> None:
+        """One optimizer step with ``grads`` (averaged, mean over samples); gradients accumulated meanwhile survive."""
+        params = [p for p in self.stage.parameters()]
+        kept = [p.grad for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.to(p.dtype)
+        torch.nn.utils.clip_grad_norm_(params, self.manifest.optimizer.grad_clip)
+        set_lr(self.optimizer, self.manifest.optimizer, self.step)
+        self.optimizer.step()
+        for p, g in zip(params, kept):
+            p.grad = g
+        self.version += 1
+        self.step += 1
+        if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def export_state(self) -> tuple[int, list[str], list[torch.Tensor]]:
+        """Parameters and optimizer moments, as a flat named list (also the checkpoint format)."""
+        names, tensors = [], []
+        for name, p in self.stage.named_parameters():
+            names.append(f"param/{name}")
+            tensors.append(p.detach().clone())
+            st = self.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                if key in st:
+                    names.append(f"opt/{key}/{name}")
+                    value = st[key]
+                    tensors.append(torch.as_tensor(value).detach().clone().reshape(-1) if key == "step"
+                                   else value.detach().clone())
+        return self.step, names, tensors
+
+    def import_state(self, step: int, names: list[str], tensors: list[torch.Tensor], keep_grads: bool = False) -> None:
+        """Replace parameters, optimizer moments and step. ``keep_grads`` keeps the gradients accumulated toward the
+        next step (a same-step repair); otherwise they are dropped with their samples."""
+        by_name = dict(zip(names, tensors))
+        params = dict(self.stage.named_parameters())
+        missing = [n for n in params if f"param/{n}" not in by_name]
+        if missing:
+            raise ValueError(f"state is missing parameters {missing[:3]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                src = by_name[f"param/{name}"]
+                if src.shape != p.shape:
+                    raise ValueError(f"{name}: state shape {tuple(src.shape)} != {tuple(p.shape)}")
+                p.copy_(src)
+                if f"opt/exp_avg/{name}" in by_name:
+                    self.optimizer.state[p] = {
+                        "exp_avg": by_name[f"opt/exp_avg/{name}"].clone(),
+                        "exp_avg_sq": by_name[f"opt/exp_avg_sq/{name}"].clone(),
+                        "step": by_name[f"opt/step/{name}"].reshape(()).clone().float(),
+                    }
+                else:
+                    self.optimizer.state.pop(p, None)
+                if not keep_grads:
+                    p.grad = None
+        self.version += 1
+        self.step = int(step)
+        if not keep_grads:
+            self.samples = 0
+        set_lr(self.optimizer, self.manifest.optimizer, self.step)
+
+    def save_checkpoint(self) -> Optional[Path]:
+        step, names, tensors = self.export_state()
+        return save_stage_checkpoint(self.checkpoint_dir, self.manifest, self.stage_index, step, names, tensors)
