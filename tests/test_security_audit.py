@@ -28,8 +28,9 @@ async def _train_until_banned(p2p, heads: list, auditor, attacker, microbatches:
         last = torch.randint(0, MAN.model.vocab_size, (4,), generator=gen, dtype=torch.int32)
         head = heads[i % len(heads)]
         await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, meta, [tokens, last], timeout=60)
-        if auditor._audits:
-            await asyncio.wait_for(asyncio.gather(*auditor._audits), 60)
+        audits = auditor.screening.tasks()
+        if audits:
+            await asyncio.wait_for(asyncio.gather(*audits), 60)
         if auditor.sentinel.banned(attacker.peer_id):
             return
 
@@ -43,7 +44,7 @@ def test_a_tail_adding_faint_noise_is_banned_by_audits_and_honest_tails_are_not(
         async with local_swarm(MAN, [0, 1, 1, 1], OPTS) as (boot, peers, nodes):
             head, attacker = nodes[0], nodes[3]
             install_attack(attacker, "gaussian:0.1@bwd")
-            await wait_until(lambda: len(head.next_records) == 3, 30, "the head to see three tails")
+            await wait_until(lambda: len(head.downstream.records) == 3, 30, "the head to see three tails")
             await _train_until_banned(await boot.replicate_p2p(), [head], head, attacker, 40, seed=0)
             served = {n.peer_id[-8:]: n.counters.forward for n in nodes[1:]}
             return (head.sentinel.banned_peers(), attacker.peer_id, {n.peer_id for n in nodes[1:3]},

@@ -122,8 +122,8 @@ def test_allow_listed_swarm_serves_certified_peers_only(run_files):
                                manifest=m, client_mode=True)
             dhts.append(trainer)
             # The intruder runs the same validators (so it could read and sign) but holds no certificate.
-            intruder = make_dht(peers, manifest=m.with_overrides(**{"security.allow_list": False}),
-                                identity=str(f / "intruder.key"), client_mode=True)
+            intruder = make_dht(peers, Endpoint(identity=str(f / "intruder.key")),
+                                manifest=m.with_overrides(**{"security.allow_list": False}), client_mode=True)
             dhts.append(intruder)
             tid, iid = str(trainer.peer_id), str(intruder.peer_id)
 

@@ -233,12 +233,17 @@ CertOpt = typer.Option(None, "--certificate", help="the run authority's certific
 LogOpt = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR")
 
 
-def _enable_stack_dumps() -> None:
-    """``kill -USR1 PID`` prints every thread's stack: a stuck peer can always say what it is waiting for."""
+def _start_role(log_level: str, manifest: str):
+    """Logging on, ``kill -USR1 PID`` prints every thread's stack (a stuck peer can always say what it is waiting
+    for), and the run's manifest loaded."""
     import faulthandler
     import signal
 
+    from agora.net.dht import setup_logging
+
+    setup_logging(log_level)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    return _manifest(manifest)
 
 
 def _join_errors(fn):
@@ -291,13 +296,11 @@ def node(
     log_level: str = LogOpt,
 ) -> None:
     """Serve one pipeline stage: forward/backward for trainers and the previous stage, averaging with replicas."""
-    from agora.net.dht import Endpoint, setup_logging
+    from agora.net.dht import Endpoint
     from agora.roles import NodeRun, run_node
     from agora.server.node import NodeOptions
 
-    setup_logging(log_level)
-    _enable_stack_dumps()
-    m = _manifest(manifest)
+    m = _start_role(log_level, manifest)
     opts = NodeOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
                        rebalance_every_s=rebalance_every, sentinel=sentinel or sentinel_log is not None,
                        sentinel_log=sentinel_log)
@@ -326,12 +329,10 @@ def train(
 ) -> None:
     """Feed a data shard into the pipeline and report the loss."""
     from agora.client.trainer import TrainerOptions
-    from agora.net.dht import Endpoint, setup_logging
+    from agora.net.dht import Endpoint
     from agora.roles import TrainerRun, run_trainer
 
-    setup_logging(log_level)
-    _enable_stack_dumps()
-    m = _manifest(manifest)
+    m = _start_role(log_level, manifest)
     try:
         index, count = (int(x) for x in shard.split("/"))
         assert 0 <= index < count

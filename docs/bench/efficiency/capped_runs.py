@@ -9,12 +9,12 @@ import json
 import sys
 from pathlib import Path
 
-from agora.bench.efficiency import capped_runs
-from agora.swarm.demo import plan_links
+from agora.bench.efficiency import EfficiencyOptions, capped_runs
+from agora.lab.demo import plan_links
 
 mbps, out = float(sys.argv[1]), Path(sys.argv[2])
 plan = plan_links(mbps, 0.0, sys.argv[3] if len(sys.argv) > 3 else "auto")
 res = {"link_backend": plan.backend, "link_backend_reason": plan.reason,
-       **capped_runs(out, mbps, plan.backend, steps=4, in_flight=4)}
+       **capped_runs(out, EfficiencyOptions(link_mbps=mbps, steps=4, in_flight=4), plan.backend)}
 print(json.dumps(res, indent=1), flush=True)
 (out / "capped.json").write_text(json.dumps({"link_mbps": mbps, **res}, indent=1))

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from agora.swarm.run import process_cpu_seconds as cpu_seconds
+from agora.roles import process_cpu_seconds as cpu_seconds
 
 WINDOW_S = 20.0
 

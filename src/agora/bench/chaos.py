@@ -20,11 +20,12 @@ replica at the end):
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
-from agora.lab.demo import run_demo
+from agora.lab.demo import ChaosOptions, DemoOptions, StopRule, SwarmShape, run_demo
 
 
 def _p50_max(values: list[float]) -> dict:
@@ -68,6 +69,7 @@ def longest_stall(completions: list[list[float]], start: float, end: float) -> f
 
 
 def analyse(summary: dict) -> dict:
+    """One run's figures from its demo summary, measured over training (from the trainers' start to the end)."""
     timeline = summary["timeline"]
     start = summary.get("train_started_s") or (timeline[0]["t"] if timeline else 0.0)
     end = timeline[-1]["t"] if timeline else start
@@ -101,48 +103,88 @@ def analyse(summary: dict) -> dict:
     }
 
 
-def run(out: Path, minutes: float = 5.0, preset: str = "small", stages: int = 3, replicas: int = 2,
-        kill_every: float = 20.0, val_batches: int = 8, log: Callable[[str], None] = print) -> dict:
+@dataclass(frozen=True)
+class ChaosBenchOptions:
+    """The swarm (``stages x replicas`` stage nodes of ``preset``, one trainer), how long the clean run trains
+    (``minutes``), how often chaos kills (``kill_every`` seconds), and the validation microbatches at the end."""
+
+    minutes: float = 5.0
+    preset: str = "small"
+    stages: int = 3
+    replicas: int = 2
+    kill_every: float = 20.0
+    val_batches: int = 8
+
+
+def run(out: Path, options: Optional[ChaosBenchOptions] = None, log: Callable[[str], None] = print) -> dict:
+    """Both runs, analysed and compared; writes ``OUT/result.json`` and ``OUT/result.md``."""
+    opts = options or ChaosBenchOptions()
     out = Path(out)
-    common = dict(preset=preset, stages=stages, replicas=replicas, steps=10**9, live=False, val_batches=val_batches,
-                  measure_divergence=True)
-    log(f"[chaos] clean run: {preset}, {stages} stages x {replicas} replicas, {minutes:g} min of training")
-    clean = run_demo(out=out / "clean", train_seconds=minutes * 60, timeout=minutes * 60 + 900, **common)
+    train_s = opts.minutes * 60
+    log(f"[chaos] clean run: {opts.preset}, {opts.stages} stages x {opts.replicas} replicas, {opts.minutes:g} min of "
+        f"training")
+    clean = run_demo(_demo_options(opts, out / "clean", StopRule(steps=10**9, train_seconds=train_s,
+                                                                 timeout=train_s + 900)))
     budget = clean["tokens"]
-    log(f"[chaos] chaos run: kill every {kill_every:g}s until {budget} tokens")
-    chaos = run_demo(out=out / "chaos", tokens=budget, chaos=kill_every, timeout=4 * minutes * 60 + 900, **common)
+    log(f"[chaos] chaos run: kill every {opts.kill_every:g}s until {budget} tokens")
+    chaos_stop = StopRule(steps=10**9, tokens=budget, timeout=4 * opts.minutes * 60 + 900)
+    chaos = run_demo(_demo_options(opts, out / "chaos", chaos_stop, ChaosOptions(every_s=opts.kill_every)))
     a, b = analyse(clean), analyse(chaos)
+    headline = _headline(a, b)
+    goals = _goals(headline)
+    md = _markdown(a, b, headline, goals)
+    result = {"preset": opts.preset, "stages": opts.stages, "replicas": opts.replicas, "minutes": opts.minutes,
+              "kill_every_s": opts.kill_every, "clean": a, "chaos": b, "headline": headline, "goals": goals,
+              "kills": chaos["chaos_kills"]}
+    write_result(out, "chaos", result, md)
+    log(md)
+    return result
+
+
+def _demo_options(opts: ChaosBenchOptions, out: Path, stop: StopRule,
+                  chaos: ChaosOptions = ChaosOptions()) -> DemoOptions:
+    """One of the two runs: the same swarm, no live table, replicas compared at the end."""
+    shape = SwarmShape(preset=opts.preset, stages=opts.stages, replicas=opts.replicas, val_batches=opts.val_batches)
+    return DemoOptions(out=out, shape=shape, stop=stop, chaos=chaos, live=False, measure_divergence=True)
+
+
+def _headline(clean: dict, chaos: dict) -> dict:
+    """The chaos run's figures that answer 'what does churn cost', as ratios to the clean run where it helps."""
 
     def ratio(key: str) -> Optional[float]:
-        return b[key] / a[key] if a.get(key) and b.get(key) is not None else None
+        return chaos[key] / clean[key] if clean.get(key) and chaos.get(key) is not None else None
 
-    rec = b["kill_to_next_microbatch_s"]
-    headline = {
+    recovery = chaos["kill_to_next_microbatch_s"]
+    return {
         "steps_per_minute_ratio": ratio("steps_per_minute"),
         "tokens_per_s_ratio": ratio("tokens_per_s"),
         "val_loss_ratio": ratio("val_loss"),
-        "kill_to_next_microbatch_p50_s": rec["p50"],
-        "kill_to_next_microbatch_max_s": rec["max"],
-        "longest_stall_s": b["longest_stall_s"],
-        "abandoned": b["microbatches"].get("abandoned", 0),
-        "replica_max_abs_diff": b["replica_max_abs_diff"],
-        "kills": b["kills"],
+        "kill_to_next_microbatch_p50_s": recovery["p50"],
+        "kill_to_next_microbatch_max_s": recovery["max"],
+        "longest_stall_s": chaos["longest_stall_s"],
+        "abandoned": chaos["microbatches"].get("abandoned", 0),
+        "replica_max_abs_diff": chaos["replica_max_abs_diff"],
+        "kills": chaos["kills"],
     }
-    goals = {
-        "kill_to_next_microbatch_under_10s": rec["max"] is not None and rec["max"] < 10.0,
-        "no_stall_over_30s": b["longest_stall_s"] <= 30.0,
-        "val_loss_within_2pct": headline["val_loss_ratio"] is not None and headline["val_loss_ratio"] <= 1.02,
-        "replicas_identical": b["replica_max_abs_diff"] is not None and b["replica_max_abs_diff"] < 1e-6,
+
+
+def _goals(headline: dict) -> dict[str, bool]:
+    worst = headline["kill_to_next_microbatch_max_s"]
+    loss_ratio = headline["val_loss_ratio"]
+    diff = headline["replica_max_abs_diff"]
+    return {
+        "kill_to_next_microbatch_under_10s": worst is not None and worst < 10.0,
+        "no_stall_over_30s": headline["longest_stall_s"] <= 30.0,
+        "val_loss_within_2pct": loss_ratio is not None and loss_ratio <= 1.02,
+        "replicas_identical": diff is not None and diff < 1e-6,
     }
+
+
+def _markdown(clean: dict, chaos: dict, headline: dict, goals: dict[str, bool]) -> str:
+    """The side-by-side table, then the ratios and which goals were met."""
 
     def row(name: str, key: str, fmt=lambda v: v):
-        return [name, fmt(a.get(key)), fmt(b.get(key))]
-
-    def p(d: dict) -> str:
-        return "-" if d["p50"] is None else f"{d['p50']:.1f} / {d['max']:.1f} (n={d['n']})"
-
-    def mb(d: dict) -> str:
-        return f"{d.get('completed', 0)} done, {d.get('retried', 0)} retried, {d.get('abandoned', 0)} abandoned"
+        return [name, fmt(clean.get(key)), fmt(chaos.get(key))]
 
     md = markdown_table(["", "clean", "chaos"], [
         row("training minutes", "train_minutes"),
@@ -151,24 +193,27 @@ def run(out: Path, minutes: float = 5.0, preset: str = "small", stages: int = 3,
         row("steps / minute", "steps_per_minute"),
         row("tokens / s", "tokens_per_s"),
         row("kills", "kills"),
-        row("kill -> next microbatch p50 / max (s)", "kill_to_next_microbatch_s", p),
-        row("kill -> stage work p50 / max (s)", "kill_to_stage_work_s", p),
+        row("kill -> next microbatch p50 / max (s)", "kill_to_next_microbatch_s", _p50_max_cell),
+        row("kill -> stage work p50 / max (s)", "kill_to_stage_work_s", _p50_max_cell),
         row("longest stall (s)", "longest_stall_s"),
-        row("microbatches", "microbatches", mb),
+        row("microbatches", "microbatches", _microbatches_cell),
         row("validation loss", "val_loss"),
         row("max |param diff| between replicas", "replica_max_abs_diff"),
         row("failed averaging rounds", "rounds_failed"),
     ])
-    md += (f"\n\nresyncs: clean {a['resyncs']}, chaos {b['resyncs']}; moves: clean {a['moves']}, chaos {b['moves']}."
-           f"\n\nchaos / clean: steps/min x{_fmt(headline['steps_per_minute_ratio'])}, tokens/s "
-           f"x{_fmt(headline['tokens_per_s_ratio'])}, validation loss x{_fmt(headline['val_loss_ratio'], 4)}.\n\n"
-           + "\n".join(f"- {k}: {'yes' if v else 'NO'}" for k, v in goals.items()) + "\n")
-    result = {"preset": preset, "stages": stages, "replicas": replicas, "minutes": minutes, "kill_every_s": kill_every,
-              "clean": a, "chaos": b, "headline": headline, "goals": goals,
-              "kills": chaos["chaos_kills"]}
-    write_result(out, "chaos", result, md)
-    log(md)
-    return result
+    return md + (f"\n\nresyncs: clean {clean['resyncs']}, chaos {chaos['resyncs']}; moves: clean {clean['moves']}, "
+                 f"chaos {chaos['moves']}."
+                 f"\n\nchaos / clean: steps/min x{_fmt(headline['steps_per_minute_ratio'])}, tokens/s "
+                 f"x{_fmt(headline['tokens_per_s_ratio'])}, validation loss x{_fmt(headline['val_loss_ratio'], 4)}.\n\n"
+                 + "\n".join(f"- {k}: {'yes' if v else 'NO'}" for k, v in goals.items()) + "\n")
+
+
+def _p50_max_cell(d: dict) -> str:
+    return "-" if d["p50"] is None else f"{d['p50']:.1f} / {d['max']:.1f} (n={d['n']})"
+
+
+def _microbatches_cell(d: dict) -> str:
+    return f"{d.get('completed', 0)} done, {d.get('retried', 0)} retried, {d.get('abandoned', 0)} abandoned"
 
 
 def _fmt(v: Optional[float], digits: int = 2) -> str:

@@ -11,6 +11,7 @@ import torch
 
 
 def environment() -> dict:
+    """Where a result was measured: date, Python and torch versions, torch CPU threads, machine type."""
     return {
         "date": time.strftime("%Y-%m-%d"),
         "python": platform.python_version(),
@@ -21,6 +22,7 @@ def environment() -> dict:
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table, floats shown with 4 significant digits."""
     def cell(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -30,6 +32,8 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def write_result(out: Path, name: str, result: dict, markdown: str) -> None:
+    """``OUT/result.json`` (``result`` headed by the benchmark's ``name`` and the environment) and ``OUT/result.md``
+    (``markdown`` under the title ``agora bench NAME``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": name, "environment": environment(), **result}

@@ -62,15 +62,7 @@ def train_local(
     tokens = 0
     for step in range(steps):
         lr = set_lr(opt, manifest.optimizer, step)
-        total = 0.0
-        for _ in range(accum):
-            b = next(batches)
-            loss = model.loss(b[:, :-1], b[:, 1:]) / accum
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), manifest.optimizer.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        total = _train_step(model, opt, batches, accum, manifest.optimizer.grad_clip)
         tokens += tokens_per_step
         rec = {"step": step, "loss": total, "lr": lr, "tokens": tokens, "wall_s": time.perf_counter() - t0}
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
@@ -81,7 +73,29 @@ def train_local(
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     val_loss = evaluate(model, val_set)
     evals.append({"step": steps - 1, "tokens": tokens, "val_loss": val_loss})
-    summary = {
+    summary = _summary(manifest, steps, tokens, wall, cpu, history, evals)
+    if out_dir is not None:
+        _write(summary, Path(out_dir))
+    return summary
+
+
+def _train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float) -> float:
+    """One optimizer step over ``accum`` microbatches; returns the step's mean training loss."""
+    total = 0.0
+    for _ in range(accum):
+        b = next(batches)
+        loss = model.loss(b[:, :-1], b[:, 1:]) / accum
+        loss.backward()
+        total += loss.item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def _summary(manifest: Manifest, steps: int, tokens: int, wall: float, cpu: float, history: list[dict],
+             evals: list[dict]) -> dict:
+    return {
         "kind": "train-local",
         "run_id": manifest.run_id,
         "manifest_hash": manifest.hash,
@@ -96,15 +110,15 @@ def train_local(
         "train_loss": [r["loss"] for r in history],
         "history": history,
         "evals": evals,
-        "val_loss": val_loss,
+        "val_loss": evals[-1]["val_loss"],
         "parameters": count_parameters(manifest)["total"],
         "flops_per_token": flops_per_token(manifest),
     }
-    if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        from agora.lab.report import write_local_report
 
-        write_local_report(summary, out_dir)
-    return summary
+
+def _write(summary: dict, out_dir: Path) -> None:
+    from agora.lab.report import write_local_report
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_local_report(summary, out_dir)

@@ -17,7 +17,9 @@ os.environ.setdefault("USE_LEGACY_BFLOAT16", "0")  # before hivemind is imported
 from hivemind import DHT  # noqa: E402
 
 from agora.config import Manifest  # noqa: E402
+from agora.net.netns import entered  # noqa: E402
 from agora.net.records import announce, bind_owner_key, manifest_key, read_subkeys  # noqa: E402
+from agora.trust.credentials import CredentialError, load_credentials, record_validators  # noqa: E402
 
 logger = logging.getLogger("agora")
 
@@ -75,8 +77,6 @@ def make_dht(initial_peers: Sequence[str] = (), endpoint: Endpoint = Endpoint(),
         raise JoinError("--announce-host needs a fixed --port: the announced address must name the port", 2)
     creds = None
     if manifest is not None:
-        from agora.trust.credentials import CredentialError, load_credentials
-
         try:
             creds = load_credentials(manifest, endpoint.identity, endpoint.certificate, writes=writes)
         except CredentialError as err:
@@ -100,8 +100,6 @@ def _start_dht(initial_peers: Sequence[str], endpoint: Endpoint, client_mode: bo
     host, port, netns = endpoint.host, endpoint.port, endpoint.netns
     kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=endpoint.identity, client_mode=client_mode)
     if creds is not None:
-        from agora.trust.credentials import record_validators
-
         kwargs["identity_path"] = creds.identity_path
         kwargs["record_validators"] = record_validators(manifest, creds)
         if creds.ephemeral_dir:
@@ -113,8 +111,6 @@ def _start_dht(initial_peers: Sequence[str], endpoint: Endpoint, client_mode: bo
             return DHT(initial_peers=list(initial_peers), start=True, **kwargs)
         except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
             raise _join_error(initial_peers, err) from err
-    from agora.net.netns import entered
-
     dht = DHT(initial_peers=list(initial_peers), start=False, **kwargs)
     with entered(netns):  # a failure to enter is a setup error, not a join error: it propagates as is
         dht.start()  # fork only: the child inherits this thread's namespace

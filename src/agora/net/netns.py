@@ -1,6 +1,6 @@
 """Entering a network namespace for a moment, so that a process forked meanwhile lives there.
 
-The emulated-WAN demo (``agora.lab.netem``) runs each peer in a namespace; ``agora.net.dht.make_dht(netns=...)``
+The emulated-WAN demo (``agora.lab.netem``) runs each peer in a namespace; ``agora.net.dht.make_dht`` (``Endpoint.netns``)
 forks hivemind's DHT daemon inside one while the caller stays home. Linux only; needs root.
 """
 

@@ -1,7 +1,8 @@
 """What peers say to each other: RPC names and how a caller treats each error code.
 
 Shared by both ends (``agora.client`` calls, ``agora.server`` answers), so neither imports the other. The message
-formats themselves are in ``docs/ARCHITECTURE.md`` ("Messages between nodes"); the framing is ``agora.net.transport``.
+formats themselves are in ``docs/ARCHITECTURE.md`` ("Messages between nodes"); the framing is ``agora.net.framing``
+(``docs/TRANSPORT.md``).
 """
 
 from __future__ import annotations

@@ -55,10 +55,16 @@ class NodeCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         n = self.node
-        c = n.counters
         labels = {"run_id": n.manifest.run_id, "manifest_hash": n.manifest.hash,
                   "peer_id": n.peer_id, "stage": str(n.stage_index)}
         yield InfoMetricFamily("agora_peer", "Identity of this peer: run, manifest, peer id, stage.", value=labels)
+        yield from self._microbatches()
+        yield from self._boundaries()
+        yield from self._gauges()
+        yield from self._averaging()
+
+    def _microbatches(self) -> Iterator[Any]:
+        c = self.node.counters
 
         yield CounterMetricFamily("agora_tokens", "Training tokens this stage computed a forward for.",
                                   value=c.tokens)
@@ -75,6 +81,8 @@ class NodeCollector(Collector):
         yield CounterMetricFamily("agora_compute_busy_seconds", "Seconds the compute thread spent on fwd/bwd.",
                                   value=c.busy_s)
 
+    def _boundaries(self) -> Iterator[Any]:
+        n = self.node
         payload = CounterMetricFamily("agora_boundary_payload_bytes",
                                       "Tensor payload bytes per pipeline boundary and direction (from this peer).",
                                       labels=["boundary", "direction"])
@@ -96,6 +104,8 @@ class NodeCollector(Collector):
         yield wire
         yield calls
 
+    def _gauges(self) -> Iterator[Any]:
+        n = self.node
         yield GaugeMetricFamily("agora_queue_depth", "Jobs waiting for or running on the compute thread.",
                                 value=n.queue)
         yield GaugeMetricFamily("agora_inflight_microbatches", "Microbatches between their forward and backward.",
@@ -111,6 +121,8 @@ class NodeCollector(Collector):
         yield StateSetMetricFamily("agora_peer_state", "Lifecycle state of this peer.",
                                    value={s.value: n.state == s for s in PeerState})
 
+    def _averaging(self) -> Iterator[Any]:
+        n = self.node
         sync = n.sync
         if sync is not None:
             rounds = CounterMetricFamily("agora_averaging_rounds",

@@ -26,13 +26,15 @@ from typing import Optional
 
 from hivemind.utils.crypto import RSAPrivateKey
 
-from agora.config import Manifest
+from agora.config import Manifest, signature_path
 from agora.trust.identity import (
     Certificate,
     certificate_problem,
+    issue_certificate,
     ensure_identity,
     make_record_validators,
     peer_id_of,
+    sign_manifest,
 )
 
 logger = logging.getLogger("agora.credentials")
@@ -76,9 +78,6 @@ def save_certificate(cert: Certificate, path: str | Path) -> None:
 
 def write_manifest_signature(manifest_path: Path, authority: RSAPrivateKey) -> Path:
     """Sign the manifest file's exact bytes as the run's authority; returns the ``FILE.sig`` written."""
-    from agora.config import signature_path
-    from agora.trust.identity import sign_manifest
-
     sig = signature_path(manifest_path)
     sig.write_bytes(sign_manifest(manifest_path.read_bytes(), authority) + b"\n")
     return sig
@@ -86,8 +85,6 @@ def write_manifest_signature(manifest_path: Path, authority: RSAPrivateKey) -> P
 
 def certify(authority: RSAPrivateKey, run_id: str, peer_key, out: str | Path, expires: float = 0.0) -> Certificate:
     """Admit ``peer_key`` (any public-key form) to ``run_id`` and save the certificate at ``out``."""
-    from agora.trust.identity import issue_certificate
-
     cert = issue_certificate(authority, run_id, peer_key, expires=expires)
     save_certificate(cert, out)
     return cert

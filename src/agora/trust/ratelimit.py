@@ -9,13 +9,8 @@ Pure and deterministic: the clock is injected (``clock=time.monotonic`` by defau
 shared between limiters, and idle callers are evicted (a full bucket carries no information, so forgetting a caller
 that has been idle long enough to refill is exact).
 
-Integration (``StageNode._handle_fwd_bwd``, first line, before ``_validate``)::
-
-    # __init__: self.limiter = RateLimiter(rate=20.0, burst=40.0)   # microbatches/s per caller; or tokens/s
-    if not self.limiter.allow(str(caller)):
-        raise self._reject("rate_limited", f"retry in {self.limiter.retry_after(str(caller)):.2f} s")
-
-Add ``"rate_limited"`` to the caller's RETRYABLE set only if other replicas should be tried.
+Used by ``agora.server.handler.StageHandler.admit`` before a request is validated: a caller over its rate gets
+``rate_limited`` (in ``net.protocol.RETRYABLE``: the router tries another replica).
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ what a round must exclude (banned or uncertified members). What a round moves is
 ``averaging.scheme``: ``full.FullSync``, ``powersgd.PowerSGDSync``, ``sparse.SparseSync`` (``averaging.make_sync`` picks).
 
 It works on explicit inputs (``SyncContext``: the stage's runtime, the DHT, the P2P, the manifest, the node's
-callbacks), never on the node. The why of each rule, and the measured numbers, are in ``docs/ARCHITECTURE.md``
-("When replicas step") and ``docs/AVERAGING.md``.
+callbacks), never on the node. The why of each rule is in ``docs/AVERAGING.md``.
 """
 
 from __future__ import annotations
