@@ -10,7 +10,7 @@ from agora.bench.sentinel_eval import (DRIFT_CLEAN, EVAL_STRENGTHS, evaluate, fo
 from agora.sentinel import LossMonitor, SentinelConfig, SentinelMonitor
 
 # "stale" (a real message of another microbatch, never sent before) is statistically honest: fingerprints cannot
-# see it (see the sentinel module docstring); it is reported by the evaluation, not asserted here.
+# see it (see docs/SENTINEL.md); it is reported by the evaluation, not asserted here.
 DETECTABLE = [k for k in EVAL_STRENGTHS if k != "stale"]
 MAX_DELAY = 20
 

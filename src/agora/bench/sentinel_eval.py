@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -255,7 +255,7 @@ class _StreamTally:
         v = self.monitor.observe(who, 0, self.direction, msg, step=step, tokens=tokens,
                                  paired=coords if self.direction == "bwd" else None, version=(step, 0.0))
         if self.audit_rate and (v.flagged or self.audit_rng.random() < self.audit_rate):
-            # As a node next to the first or last stage does (``StageNode._start_audit``): another replica with the
+            # As a node next to the first or last stage does (``Screening.start_audit``): another replica with the
             # same weights recomputes every flagged message and ``audit_rate`` of the accepted ones.
             self.audits += 1
             simulated_audit(self.monitor, who, self.direction, msg, self.honest, (step, 0.0))
@@ -284,53 +284,87 @@ class _StreamTally:
                             self.first_reasons)
 
 
+def _receiver(config: Optional[SentinelConfig], audit_rate: float) -> SentinelMonitor:
+    """A fresh monitor set up as a node's: auditing both directions when ``audit_rate`` > 0 (next to the first or
+    last stage), else on statistics alone (a middle stage's messages)."""
+    return SentinelMonitor(node_config(config, ("fwd", "bwd") if audit_rate > 0 else ()))
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How ``run_stream`` runs a stream on a static pool."""
+
+    rounds: int = 60  # each round, every sender sends one message, in a random order
+    attack_start: int = 20  # the first round in which the attacker corrupts
+    seed: int = 0  # the senders' data shares and order, the attack's noise, the audits' draws
+    n_honest: int = 2  # honest senders besides the attacker's seat
+    audit_rate: float = AUDIT_RATE  # accepted messages audited, as a node next to the first or last stage does
+    # (0: statistics only, as for a middle stage's messages)
+
+
 def run_stream(pool: HonestPool, direction: str, kind: Optional[str] = None, strength: float = 0.0,
-               config: Optional[SentinelConfig] = None, rounds: int = 60, attack_start: int = 20,
-               seed: int = 0, n_honest: int = 2, audit_rate: float = AUDIT_RATE) -> StreamResult:
+               config: Optional[SentinelConfig] = None, options: Optional[StreamOptions] = None,
+               **overrides) -> StreamResult:
     """One interleaved stream through a fresh monitor. ``kind=None``: a clean stream of ``n_honest + 1`` honest
-    senders (the third plays the attacker's seat but behaves). ``audit_rate``: audits as a node next to the first
-    or last stage runs them (0: statistics only, as for a middle stage's messages)."""
-    rng = random.Random(seed)
-    monitor = SentinelMonitor(node_config(config, ("fwd", "bwd") if audit_rate > 0 else ()))
-    senders = [f"honest-{i}" for i in range(n_honest)] + ["attacker"]
+    senders (the third plays the attacker's seat but behaves). ``strength``: the attack's (``apply_attack``).
+    ``config``: the monitor's settings. ``options``: see ``StreamOptions``; keyword ``overrides`` replace its
+    fields (``run_stream(pool, "fwd", rounds=100, seed=1)``)."""
+    opts = replace(options or StreamOptions(), **overrides)
+    rng = random.Random(opts.seed)
+    monitor = _receiver(config, opts.audit_rate)
+    senders = [f"honest-{i}" for i in range(opts.n_honest)] + ["attacker"]
     S = pool.fwd.shape[0]
     order = list(range(S))
     rng.shuffle(order)
     shares = {s: order[i::len(senders)] for i, s in enumerate(senders)}
-    tally = _StreamTally(monitor, kind, direction, strength, seed, audit_rate=audit_rate)
-    for r in range(rounds):
+    tally = _StreamTally(monitor, kind, direction, strength, opts.seed, audit_rate=opts.audit_rate)
+    for r in range(opts.rounds):
         rng.shuffle(senders)
         for who in senders:
             if monitor.banned(who) and who == "attacker":
                 continue  # a banned peer is routed no more work
             idx = torch.tensor(rng.sample(shares[who], pool.microbatch))
             coords, grad, tokens = pool.fwd[idx], pool.bwd[idx], pool.tokens[idx]
-            msg, bad = tally.outgoing(who, coords if direction == "fwd" else grad, r >= attack_start)
+            msg, bad = tally.outgoing(who, coords if direction == "fwd" else grad, r >= opts.attack_start)
             tally.send(who, msg, bad, r, tokens, coords)
     return tally.result(strength, senders)
 
 
+@dataclass(frozen=True)
+class DriftOptions:
+    """How ``run_drift_stream`` runs a stream on traffic recorded while the model trains."""
+
+    attack_start: Optional[int] = None  # the first step in which the attacker corrupts; None: a third of the way in
+    seed: int = 0  # the senders' turns, the attack's noise, the audits' draws
+    senders: int = 3  # senders, the attacker's seat (the last) included; at most the trace's
+    messages_per_step: int = 1  # messages the receiver gets per optimizer step
+    audit_rate: float = AUDIT_RATE  # as in ``StreamOptions``
+
+
 def run_drift_stream(trace: DriftTrace, direction: str, kind: Optional[str] = None, strength: float = 0.0,
-                     config: Optional[SentinelConfig] = None, attack_start: Optional[int] = None, seed: int = 0,
-                     senders: int = 3, messages_per_step: int = 1, audit_rate: float = AUDIT_RATE) -> StreamResult:
+                     config: Optional[SentinelConfig] = None, options: Optional[DriftOptions] = None,
+                     **overrides) -> StreamResult:
     """A stream through a fresh monitor while the model trains: at each optimizer step of ``trace``,
     ``messages_per_step`` of the ``senders`` (taken in turns, shuffled per cycle) each send their message of that
     step. On ``tiny`` a swarm step is two microbatches, so a receiver sees about one message per step: every
     message comes from a slightly newer model (the hardest case for a reference built from earlier messages).
-    The last sender is the attacker's seat (corrupting from step ``attack_start`` on when ``kind`` is given;
-    ``attack_start=None`` means a third of the way in); a banned attacker gets no more work."""
-    if senders > trace.fwd.shape[1]:
-        raise ValueError(f"the trace has {trace.fwd.shape[1]} senders, {senders} requested")
-    rng = random.Random(seed)
-    monitor = SentinelMonitor(node_config(config, ("fwd", "bwd") if audit_rate > 0 else ()))
-    names = [f"honest-{i}" for i in range(senders - 1)] + ["attacker"]
-    start = trace.steps // 3 if attack_start is None else attack_start
-    tally = _StreamTally(monitor, kind, direction, strength, seed, clean_reasons=True, audit_rate=audit_rate)
+    The last sender is the attacker's seat (corrupting from step ``attack_start`` on when ``kind`` is given); a
+    banned attacker gets no more work. ``options``: see ``DriftOptions``; keyword ``overrides`` replace its
+    fields."""
+    opts = replace(options or DriftOptions(), **overrides)
+    if opts.senders > trace.fwd.shape[1]:
+        raise ValueError(f"the trace has {trace.fwd.shape[1]} senders, {opts.senders} requested")
+    rng = random.Random(opts.seed)
+    monitor = _receiver(config, opts.audit_rate)
+    names = [f"honest-{i}" for i in range(opts.senders - 1)] + ["attacker"]
+    start = trace.steps // 3 if opts.attack_start is None else opts.attack_start
+    tally = _StreamTally(monitor, kind, direction, strength, opts.seed, clean_reasons=True,
+                         audit_rate=opts.audit_rate)
     turn: list[int] = []
     for step in range(trace.steps):
-        for _ in range(messages_per_step):
+        for _ in range(opts.messages_per_step):
             if not turn:
-                turn = list(range(senders))
+                turn = list(range(opts.senders))
                 rng.shuffle(turn)
             slot = turn.pop()
             who = names[slot]
@@ -359,69 +393,106 @@ def _clean_row(res: StreamResult, setting: str, senders: int, messages_per_step:
             "false_positive_rate": res.fp / max(messages, 1), "bans": res.honest_banned}
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """What ``evaluate`` runs."""
+
+    rounds: int = 60  # rounds of each attacked static stream
+    attack_start: int = 20  # the round its attacker starts corrupting in
+    clean_rounds: int = 100  # rounds of each clean static stream
+    seed: int = 0  # the pool, the trace, and the streams
+    train_steps: int = 0  # Adam steps on the model before recording the static pool (``make_pool``)
+    drift_steps: int = 0  # training steps to record for the drift streams (``make_drift_trace``); 0: none
+
+
+class _Evaluation:
+    """The rows of one ``evaluate`` run: attacked streams (``rows``) and clean ones (``clean``)."""
+
+    def __init__(self, strengths: dict[str, Sequence[float]], config: Optional[SentinelConfig], opts: EvalOptions):
+        self.strengths, self.config, self.opts = strengths, config, opts
+        self.rows: list[dict] = []
+        self.clean: list[dict] = []
+
+    def _attacks(self) -> list[tuple[str, float, str]]:
+        return [(kind, strength, direction) for kind, values in self.strengths.items() for strength in values
+                for direction in ("fwd", "bwd")]
+
+    def static(self, pool: HonestPool, audit_rate: float, suffix: str) -> None:
+        opts = self.opts
+        for kind, strength, direction in self._attacks():
+            res = run_stream(pool, direction, kind, strength, self.config, rounds=opts.rounds,
+                             attack_start=opts.attack_start, seed=opts.seed, audit_rate=audit_rate)
+            self.rows.append(_attack_row(res, "static" + suffix))
+        for direction in ("fwd", "bwd"):
+            res = run_stream(pool, direction, None, 0.0, self.config, rounds=opts.clean_rounds,
+                             attack_start=opts.clean_rounds, seed=opts.seed + 1, audit_rate=audit_rate)
+            self.clean.append(_clean_row(res, "static" + suffix, 3, None))
+
+    def drift(self, trace: DriftTrace, audit_rate: float, suffix: str) -> None:
+        seed = self.opts.seed
+        for kind, strength, direction in self._attacks():
+            res = run_drift_stream(trace, direction, kind, strength, self.config, seed=seed, audit_rate=audit_rate)
+            self.rows.append(_attack_row(res, "drift" + suffix))
+        for senders, per_step in DRIFT_CLEAN:
+            for direction in ("fwd", "bwd"):
+                res = run_drift_stream(trace, direction, None, 0.0, self.config, seed=seed + 1, senders=senders,
+                                       messages_per_step=per_step, audit_rate=audit_rate)
+                self.clean.append(_clean_row(res, "drift" + suffix, senders, per_step))
+
+    def sender_level(self) -> dict[str, dict]:
+        """Per setting and over all: an attacker banned is a true positive, an honest sender banned a false one."""
+        by_setting = {}
+        for setting in sorted({r["setting"] for r in self.rows}) + ["all"]:
+            sel = [r for r in self.rows if setting in ("all", r["setting"])]
+            sel_clean = [c for c in self.clean if setting in ("all", c["setting"])]
+            tp = sum(r["attacker_banned"] for r in sel)
+            fp = sum(r["honest_banned"] for r in sel) + sum(c["bans"] for c in sel_clean)
+            fn = len(sel) - tp
+            precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
+            delays = sorted(r["delay"] for r in sel if r["delay"] is not None)
+            by_setting[setting] = {
+                "attackers_banned": tp, "attackers": len(sel), "honest_banned": fp, "precision": precision,
+                "recall": recall, "f1": 2 * precision * recall / max(precision + recall, 1e-12),
+                "median_delay": delays[len(delays) // 2] if delays else None,
+                "max_delay": delays[-1] if delays else None,
+                "clean_messages": sum(c["messages"] for c in sel_clean),
+                "clean_flags": sum(c["flags"] for c in sel_clean),
+            }
+        return by_setting
+
+
 def evaluate(manifest: "Manifest | str" = "tiny", strengths: Optional[dict[str, Sequence[float]]] = None,
-             config: Optional[SentinelConfig] = None, rounds: int = 60, attack_start: int = 20,
-             clean_rounds: int = 100, seed: int = 0, train_steps: int = 0,
-             pool: Optional[HonestPool] = None, drift_steps: int = 0,
-             trace: Optional[DriftTrace] = None) -> dict:
+             config: Optional[SentinelConfig] = None, pool: Optional[HonestPool] = None,
+             trace: Optional[DriftTrace] = None, options: Optional[EvalOptions] = None, **overrides) -> dict:
     """Every kind x strength x direction, plus clean streams. Returns a JSON-able report (see ``format_report``).
 
-    ``drift_steps`` (or a ``trace``): also stream traffic recorded *while the model trains* for that many steps
-    (``make_drift_trace``): every kind x strength x direction with the attack starting a third of the way in, and
-    the ``DRIFT_CLEAN`` clean streams, whose honest statistics drift the whole time (the live failure mode)."""
+    ``strengths``: per attack kind, the strengths to run (default ``EVAL_STRENGTHS``). ``config``: the monitors'
+    settings. ``pool``: the static traffic (default: recorded here). ``options``: see ``EvalOptions``; keyword
+    ``overrides`` replace its fields. With ``drift_steps`` (or a ``trace``) it also streams traffic recorded
+    *while the model trains* (``make_drift_trace``): every kind x strength x direction with the attack starting a
+    third of the way in, and the ``DRIFT_CLEAN`` clean streams, whose honest statistics drift the whole time (the
+    live failure mode)."""
+    opts = replace(options or EvalOptions(), **overrides)
     t0 = time.perf_counter()
-    pool = pool or make_pool(manifest, seed=seed, train_steps=train_steps)
+    pool = pool or make_pool(manifest, seed=opts.seed, train_steps=opts.train_steps)
     t_pool = time.perf_counter() - t0
-    strengths = strengths or EVAL_STRENGTHS
-    rows, clean = [], []
+    run = _Evaluation(strengths or EVAL_STRENGTHS, config, opts)
     drift: dict = {}
-    if drift_steps or trace is not None:
+    if opts.drift_steps or trace is not None:
         t1 = time.perf_counter()
-        trace = trace or make_drift_trace(manifest, steps=drift_steps, seed=seed)
+        trace = trace or make_drift_trace(manifest, steps=opts.drift_steps, seed=opts.seed)
         drift = {"steps": trace.steps, "loss_first": trace.losses[0], "loss_last": trace.losses[-1],
                  "trace_seconds": time.perf_counter() - t1}
     # Each setting twice: with audits, as for messages from the first or last stage (every two-stage pipeline),
     # and on statistics alone, as for a middle stage's messages (nobody can recompute those).
     for audit_rate, suffix in ((AUDIT_RATE, ""), (0.0, ", statistics only")):
-        for kind, values in strengths.items():
-            for strength in values:
-                for direction in ("fwd", "bwd"):
-                    rows.append(_attack_row(run_stream(pool, direction, kind, strength, config, rounds,
-                                                       attack_start, seed, audit_rate=audit_rate), "static" + suffix))
-        for direction in ("fwd", "bwd"):
-            res = run_stream(pool, direction, None, 0.0, config, clean_rounds, clean_rounds, seed + 1,
-                             audit_rate=audit_rate)
-            clean.append(_clean_row(res, "static" + suffix, 3, None))
-        if trace is None:
-            continue
-        for kind, values in strengths.items():
-            for strength in values:
-                for direction in ("fwd", "bwd"):
-                    rows.append(_attack_row(run_drift_stream(trace, direction, kind, strength, config, seed=seed,
-                                                             audit_rate=audit_rate), "drift" + suffix))
-        for senders, per_step in DRIFT_CLEAN:
-            for direction in ("fwd", "bwd"):
-                res = run_drift_stream(trace, direction, None, 0.0, config, seed=seed + 1, senders=senders,
-                                       messages_per_step=per_step, audit_rate=audit_rate)
-                clean.append(_clean_row(res, "drift" + suffix, senders, per_step))
-    # Sender level, over every stream: an attacker banned is a true positive, an honest sender banned a false one.
-    senders_by = {}
-    for setting in sorted({r["setting"] for r in rows}) + ["all"]:
-        sel = [r for r in rows if setting in ("all", r["setting"])]
-        sel_clean = [c for c in clean if setting in ("all", c["setting"])]
-        tp = sum(r["attacker_banned"] for r in sel)
-        fp = sum(r["honest_banned"] for r in sel) + sum(c["bans"] for c in sel_clean)
-        fn = len(sel) - tp
-        precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
-        delays = sorted(r["delay"] for r in sel if r["delay"] is not None)
-        senders_by[setting] = {
-            "attackers_banned": tp, "attackers": len(sel), "honest_banned": fp, "precision": precision,
-            "recall": recall, "f1": 2 * precision * recall / max(precision + recall, 1e-12),
-            "median_delay": delays[len(delays) // 2] if delays else None, "max_delay": delays[-1] if delays else None,
-            "clean_messages": sum(c["messages"] for c in sel_clean), "clean_flags": sum(c["flags"] for c in sel_clean),
-        }
+        run.static(pool, audit_rate, suffix)
+        if trace is not None:
+            run.drift(trace, audit_rate, suffix)
+    by_setting = run.sender_level()
     return {"pool_loss": pool.loss, "pool_seconds": t_pool, "seconds": time.perf_counter() - t0,
-            "attacks": rows, "clean": clean, "drift": drift, "senders": senders_by["all"], "by_setting": senders_by}
+            "attacks": run.rows, "clean": run.clean, "drift": drift, "senders": by_setting["all"],
+            "by_setting": by_setting}
 
 
 def format_report(report: dict) -> str:

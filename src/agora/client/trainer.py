@@ -26,7 +26,9 @@ from agora.config import Manifest
 from agora.data import TokenDataset
 from agora.client.router import Router, RouterOptions
 from agora.net.protocol import DOWNSTREAM, RETRYABLE
-from agora.net.records import ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_bans, read_swarm, trainers_key
+from agora.net.records import (
+    ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_swarm, read_swarm_bans, trainers_key,
+)
 from agora.net.transport import RpcError, TransferStats
 
 logger = logging.getLogger("agora.trainer")
@@ -115,8 +117,7 @@ class Trainer:
         swarm = await self.run_io(read_swarm, self.dht, m.run_id, m.n_stages, m.hash)
         try:
             # Heads that the next stage banned for corrupted activations are not sent our data any more.
-            serving = {r.peer_id for stage in swarm for r in stage if r.state == "serving"}
-            self.banned |= await self.run_io(read_bans, self.dht, m.run_id, m.hash, lambda: serving)
+            self.banned |= await self.run_io(read_swarm_bans, self.dht, m.run_id, m.n_stages, m.hash, swarm)
         except Exception as err:
             logger.debug(f"reading bans failed: {err!r}")
         self.swarm = [[r for r in stage if r.peer_id not in self.banned] for stage in swarm]

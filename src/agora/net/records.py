@@ -166,6 +166,18 @@ def read_bans(dht: DHT, run_id: str, manifest_hash: str, publishers: Optional[Ca
     return quorate_bans(published, manifest_hash, publishers() if publishers is not None else None, quorum)
 
 
+def read_swarm_bans(dht: DHT, run_id: str, n_stages: int, manifest_hash: str,
+                    swarm: Optional[list[list[StageRecord]]] = None) -> set[str]:
+    """``read_bans`` with the serving peers of the run (all stages) as the publishers whose bans count; ``swarm``:
+    the stage records if the caller already read them (else read only when someone published a ban)."""
+
+    def serving() -> set[str]:
+        stages = swarm if swarm is not None else read_swarm(dht, run_id, n_stages, manifest_hash)
+        return {r.peer_id for stage in stages for r in stage if r.state == PeerState.SERVING.value}
+
+    return read_bans(dht, run_id, manifest_hash, serving)
+
+
 def quorate_bans(published: dict, manifest_hash: str, publishers: Optional[set] = None,
                  quorum: int = BAN_QUORUM) -> set[str]:
     """``published``: publisher peer id -> its bans record. The peers banned by >= ``quorum`` distinct publishers

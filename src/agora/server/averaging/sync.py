@@ -27,7 +27,7 @@ from agora.config import Manifest
 from agora.net import transport
 from agora.net.members import RunMembers
 from agora.net.protocol import GET_STATE
-from agora.net.records import PeerState, StageRecord, read_bans, read_stage, read_swarm
+from agora.net.records import PeerState, StageRecord, read_stage, read_swarm_bans
 from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
 from agora.server.observers import Observers
@@ -170,13 +170,8 @@ class ReplicaSync:
         c, m = self.ctx, self.ctx.manifest
         if time.monotonic() - self._banned_at > 2.0:
             self._banned_at = time.monotonic()
-
-            def serving() -> set[str]:  # runs on the I/O thread, inside read_bans, only if bans were published
-                swarm = read_swarm(c.dht, m.run_id, m.n_stages, m.hash)
-                return {r.peer_id for stage in swarm for r in stage if r.state == PeerState.SERVING.value}
-
             try:
-                published = await c.run_io(read_bans, c.dht, m.run_id, m.hash, serving)
+                published = await c.run_io(read_swarm_bans, c.dht, m.run_id, m.n_stages, m.hash)
             except Exception as err:  # keep the previous view; bans only ever grow
                 logger.debug(f"reading bans failed: {err!r}")
                 published = set()
