@@ -1,8 +1,9 @@
-"""agora: Protocol Learning — pretrain language models on a swarm of independently owned peers.
+"""agora: Protocol Learning -- pretrain language models on a swarm of independently owned peers.
 
-Data flows one way through the package: ``config`` (the run manifest) -> ``model`` (a Llama cut into stages)
--> ``wire`` (exact subspace compression of what crosses a stage boundary) -> ``swarm`` (peers serving stages)
--> ``trainer`` (peers feeding data into the pipeline).
+Layers, each importing only from itself and those before it: ``config`` -> building blocks (``model``, ``wire``,
+``data``, ``hf``, ``optim``, ``compression``, ``sentinel``, ``trust``) -> ``net`` (RPCs, DHT) -> ``client``
+(calling the pipeline) -> ``server`` (stage servers) -> ``ops`` -> ``roles`` -> ``lab`` -> ``bench`` -> ``cli``.
+Map of every module: docs/ARCHITECTURE.md.
 """
 
 __version__ = "0.1.0"

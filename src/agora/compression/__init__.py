@@ -1,4 +1,4 @@
-"""Averaging schemes for the replicas of one stage (issue "Throughput"): what crosses the network, and how much.
+"""The math of the averaging schemes for the replicas of one stage: what crosses the network, and how much.
 
 * :mod:`agora.compression.codecs`   -- dense all-reduce wire dtype (fp64 today / fp32 / fp16 / bf16) + casts.
 * :mod:`agora.compression.powersgd` -- rank-r PowerSGD gradient averaging with error feedback, as steps that
@@ -8,8 +8,8 @@
 * :mod:`agora.compression.seeding`  -- communication-free shared randomness (BLAKE2b -> CPU generator).
 
 Everything here is pure tensor code: no networking, no hivemind import at module load. The all-reduce is the
-caller's (``DecentralizedAverager`` today); each module's docstring says exactly how to wire it into
-``agora.server.averaging.sync``. Bytes per replica per round, for a stage with ``E`` parameter elements:
+caller's (``agora.server.averaging``: ``PowerSGDSync``, ``SparseSync``); ``docs/COMPRESSION.md`` explains each
+module. Bytes per replica per round, for a stage with ``E`` parameter elements:
 dense fp64 ``8E`` (today), fp32 ``4E``, fp16 ``2E``; PowerSGD ``8 * PowerSGD.numel_sent()`` (float64 P/Q);
 sparse ``8 * 3E/N`` once every H steps.
 """

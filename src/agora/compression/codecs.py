@@ -1,28 +1,13 @@
-"""Full all-reduce codecs: which dtype a dense gradient all-reduce puts on the wire.
+"""Full all-reduce codecs: which dtype a dense gradient all-reduce puts on the wire (fp64, fp32, fp16, bf16).
 
-Why a choice at all: ``agora.server.averaging.sync`` averages in float64 (8 bytes per element, twice fp32) because
-hivemind's butterfly all-reduce returns each peer ``average - own_part`` (a *delta*, compressed like the input) and
-applies ``local += delta``: only a return path more precise than fp32 makes ``float32(local + delta)`` bit-identical
-on every replica. A cheaper wire dtype therefore costs bit-identity, not just precision:
+Why a choice at all: hivemind's butterfly all-reduce returns each peer a delta and applies ``local += delta``; only
+a return path more precise than fp32 keeps the float32 result bit-identical on every replica. A cheaper wire dtype
+saves bytes but costs bit-identity (replicas drift from ~1 ulp (fp32) to ~1e-3 relative (fp16, bf16) apart per
+round), which the fingerprint repair would then see as divergence. ``FP64`` is therefore the default and today's
+only bit-identical choice; the codecs are not wired into ``agora.server.averaging`` yet.
 
-* ``FP64``  8 B/elem. Bit-identical fp32 results (today's behaviour). Buffers float64, ``NoCompression``.
-* ``FP32``  4 B/elem. Buffers float32, ``NoCompression``. Replicas end up to 1 ulp apart per round.
-* ``FP16``  2 B/elem. Buffers float32/64 + ``hivemind.compression.Float16Compression`` (clamps to +-65504).
-  The delta is rounded to fp16 too: replicas end up ~1e-3 relative apart per round.
-* ``BF16``  2 B/elem. Buffers bfloat16, ``NoCompression``; same caveat, coarser (8-bit mantissa).
-
-Integration (lead, ``ReplicaSync.__init__``)::
-
-    codec = Codec(manifest.averaging.codec)                      # e.g. "fp64" (default) | "fp32" | "fp16" | "bf16"
-    self.buffers = [torch.zeros_like(p, dtype=codec.buffer_dtype) for p in params]
-    DecentralizedAverager(self.buffers, ..., compression=codec.hivemind_compression())
-
-and in ``round``: ``b.copy_(encode(g, codec))`` (a plain ``copy_`` does the cast) and ``decode(b)`` before
-``apply_step``. With any codec other than ``FP64`` the fingerprint repair in ``ReplicaSync._tick`` will see
-"diverged" replicas after every round: either round-trip parameters through a canonical all-gather (every peer
-receives the *same* averaged bytes, METHODS §4) or compare fingerprints with a tolerance. Until then FP64 is the
-only codec that keeps replicas bit-identical; PowerSGD and sparse averaging (this package) cut far more bytes
-and their small payloads can stay float64.
+Details (the per-codec table, how to wire a codec in, what the repair would need, bytes per round):
+docs/COMPRESSION.md.
 """
 
 from __future__ import annotations

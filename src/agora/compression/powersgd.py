@@ -1,41 +1,14 @@
 """PowerSGD gradient averaging (Vogels et al. 2019) split into the steps that fit around two all-reduces.
 
-Why: a dense gradient all-reduce moves ``n*m`` numbers per matrix; rank-``r`` PowerSGD moves ``r*(n+m)``. With
-error feedback (the part of the gradient the low-rank approximation missed is added to the next gradient) the sum
-of applied updates tracks the sum of true gradients, so training converges at low rank.
+Why: a dense all-reduce moves ``n*m`` numbers per matrix, rank-``r`` PowerSGD ``r*(n+m)``. With error feedback
+(what the low-rank approximation missed is added to the next gradient) the applied updates track the true
+gradients, so training converges at low rank. A round all-reduces ``P = (G + E) Q`` (phase 1, with the tensors not
+worth compressing), orthogonalizes it canonically, then all-reduces ``Q = M^T P^`` (phase 2); ``Q`` is seeded, never
+sent. If both phases run over the same group, every replica computes the same update.
 
-One round for every replica, per matrix-shaped gradient ``G`` (viewed as ``n x m = shape[0] x prod(shape[1:])``)::
-
-    M = G + E                          # E: this replica's error buffer
-    P = M @ Q                          # Q is never sent: seeded by (run, stage, step, tensor), same everywhere
-    P <- all-reduce mean(P)            # phase 1 (together with the uncompressed tensors)
-    P^ = orthogonalize(P)              # canonical: float64 QR with diag(R) >= 0 -> identical on identical input
-    Q = M^T @ P^
-    Q <- all-reduce mean(Q)            # phase 2
-    update = P^ @ Q^T                  # identical on every replica: = P^ P^T mean(M)
-    E = M - update
-
-Both all-reduces must run over the *same* group: a replica that saw another phase-1 average has another ``P^``.
-``update`` only depends on all-reduced values, so it is identical on every member whatever Q each member started
-from (a fresh seeded Q every step by default; ``warm_start`` reuses the last averaged Q, which converges better).
-Tensors with fewer than 2 dims, or that would not shrink by ``min_compression``, are averaged in full
-("passthrough") during phase 1.
-
-Integration (lead, ``swarm/averaging.py``), cleanest with one averager that runs both phases in one group, exactly
-like ``hivemind.optim.power_sgd_averager.PowerSGDGradientAverager._aggregate_with_group`` does:
-
-    psgd = PowerSGD([p.shape for p in stage.parameters()], rank=4, run_id=m.run_id, stage=stage_index)
-    # buffers: psgd.p_shapes() + passthrough shapes for phase 1, psgd.q_shapes() for phase 2, all float64
-    # in ReplicaSync.round, instead of copying grads into one buffer list:
-    update = await psgd.run_round(grads, step=n.step, all_reduce=my_group_all_reduce)  # list like grads
-    # on any exception run_round calls psgd.abort() (the whole gradient stays in the error buffer) and re-raises;
-    # the caller then steps locally or skips, as today.
-
-``my_group_all_reduce(tensors) -> averaged tensors`` is awaited twice and must use one group for both calls (a
-subclass of DecentralizedAverager overriding ``_aggregate_with_group``, or two averagers with a shared group key).
-Keep the P/Q buffers in float64 (the ``FP64`` codec): they are tiny, and the float64 trick of ``averaging.py``
-keeps the result bit-identical across replicas. Call ``psgd.reset()`` after a state download (the error buffer
-belongs to the old trajectory). Error buffers live on the gradients' device, one per compressed tensor.
+:meth:`PowerSGD.run_round` does a whole round given an all-reduce; ``agora.server.averaging.powersgd`` drives the
+steps across processes (with ``agora.server.averaging.allreduce.PowerSGDAverager``). The round step by step and the
+rules for wiring it in: docs/COMPRESSION.md.
 """
 
 from __future__ import annotations

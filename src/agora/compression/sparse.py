@@ -1,48 +1,13 @@
 """Sparse asynchronous parameter averaging (SPARTA with the delta rule, METHODS §3).
 
 Why: instead of an all-reduce of every gradient every step, replicas of a stage train locally and, every ``H``
-steps, average a fixed 1/N slice (N = ceil(1/rho)) of their parameters and Adam moments in the background. A
-round therefore moves ``3 * rho`` of the state (params + m + v) once per ``H`` steps, and never blocks training.
+steps, average a seeded 1/N slice (N = ceil(1/rho)) of their parameters and Adam moments in the background:
+``3 * rho`` of the state once per ``H`` steps, never blocking training. The partition is identical on every replica
+without communication, N consecutive rounds cover every element once, and the delta rule applies an average ``k``
+steps after its snapshot while keeping the local progress made meanwhile (moments corrected by ``beta^k``).
 
-* **Partition.** Each tensor's elements are split into N balanced classes by a random permutation from a CPU
-  generator seeded by (seed, tensor name): identical on every replica, independent of device RNG (node0's
-  ``manual_seed(1337)`` + device ``rand`` was not). Round ``r`` averages class ``r mod N``, so N consecutive rounds
-  cover every element exactly once. Moments reuse their parameter's partition.
-* **Delta rule.** A round snapshots ``old = (theta, m, v)[S]`` at step ``s``, all-reduces it, and applies the
-  average ``k`` steps later, keeping the local progress made meanwhile::
-
-      theta[S] = avg_theta + (theta[S] - old_theta)
-      m[S]     = beta1^k * avg_m + (m[S] - beta1^k * old_m)          (= m[S] + beta1^k (avg_m - old_m))
-      v[S]     = max(0, beta2^k * avg_v + (v[S] - beta2^k * old_v))
-
-  ``beta^k`` is how much the EMA has decayed the snapshot since. Written this way, ``k = 0`` with no local change
-  yields exactly ``avg`` on every replica (no rounding residue), so replicas are bit-identical on ``S``.
-
-Payload: one flat 1-d tensor of fixed length :meth:`SparseAverager.payload_numel` (each slice padded to
-``ceil(numel / N)``), so a ``DecentralizedAverager`` can be built once with one buffer.
-
-Integration (lead, a new background task next to ``ReplicaSync``; the per-step gradient all-reduce goes away for
-stages that use it, each replica steps on its own gradients)::
-
-    sparse = SparseAverager(list(stage.named_parameters()), node.optimizer, seed=manifest.run_id,
-                            rho=0.05, every=20)                       # METHODS defaults: rho 0.05, H 20 (or 5)
-    buffer = torch.zeros(sparse.payload_numel(), dtype=torch.float64)
-    averager = DecentralizedAverager([buffer], dht, prefix=f"{run_id}_s{stage}_sparse", ...)
-    # compute thread, right after optimizer.step() when sparse.due(node.step):
-    snap = sparse.snapshot(node.step)
-    # io: copy snap.payload into the averager buffer, averager.step(weight=samples since last round) in the
-    # background; when it returns, on the compute thread (between two optimizer steps):
-    sparse.apply(snap, averaged_buffer, node.step)                     # k = node.step - snap.step
-    # a failed round: just drop ``snap``; that class is averaged again N rounds later.
-
-``apply`` writes the parameters in place, which invalidates autograd graphs of microbatches in flight: call it
-right after an ``optimizer.step()`` (same compute-thread task, before ``node.step`` is announced), so the node's
-"recompute if the step changed" rule already covers those microbatches.
-
-Start rounds only after the first optimizer step (moments must exist). Gradient clipping, lr schedule and
-checkpointing are unaffected. The stage's parameters must be contiguous (they are for nn.Linear/Embedding).
-Memory: a class-id map of 1 byte per parameter element (N <= 255); building it allocates a transient int64
-permutation of the largest tensor.
+``agora.server.averaging.sparse`` runs it. The partition, the delta rule's formulas, the payload layout, how to
+call ``snapshot`` / ``apply`` and the constraints (when ``apply`` may run, memory): docs/COMPRESSION.md.
 """
 
 from __future__ import annotations

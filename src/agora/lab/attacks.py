@@ -1,26 +1,14 @@
 """Deliberate misbehaviour, for tests and benchmarks of the defences (``agora node --attack KIND[:strength]``).
 
-Kinds and what ``strength`` means (default in brackets):
-
-* ``gaussian`` [0.5]: add noise with std = strength x the message's rms.
-* ``sign_flip`` [1.0]: negate a fraction ``strength`` of the tokens (1.0 negates the whole message).
-* ``scale`` [4.0]: multiply by ``strength``.
-* ``zero`` [1.0]: zero a fraction ``strength`` of the tokens.
-* ``bias`` [0.5]: add a constant vector of rms = strength x the message's rms to every token (a fixed random
-  direction per width, kept in the attack state: a persistent, not a random, shift).
-* ``replay`` [1]: re-send the message this peer *sent* ``strength`` messages ago (of the same shape) instead of
-  computing a new one: a lazy or replaying peer. Receivers can recognise content they have already seen.
-* ``stale`` [1]: send the real message of the microbatch ``strength`` messages ago (never sent before) for the
-  current one. Statistically perfect; only token-conditioned checks or the loss can expose it (see ``sentinel``).
-* ``nan`` [1.0]: set a fraction ``strength`` of the entries (at least one) to NaN.
-
-A spec may end in ``@fwd``, ``@bwd`` or ``@both`` [both]: corrupt outgoing forward boundaries, returned gradients,
-or both. Example: ``scale:4@bwd``.
+A spec is ``KIND[:strength][@fwd|@bwd|@both]``, e.g. ``scale:4@bwd``. Kinds (``ATTACK_KINDS``): ``gaussian``,
+``sign_flip``, ``scale``, ``zero``, ``bias``, ``replay``, ``stale``, ``nan``; ``DEFAULT_STRENGTH`` holds the
+default strengths. ``@fwd`` corrupts the forward boundaries a stage sends, ``@bwd`` the gradients it returns
+upstream, ``@both`` (the default) both.
 
 ``install_attack(node, spec)`` registers an output filter through the node's public hook
-(``StageNode.add_output_filter``): every forward boundary the stage sends ("fwd") and every gradient it returns
-upstream ("bwd") passes through it. Other nodes in the same process are unaffected. ``agora node --attack`` installs
-it right after building the node, before any work arrives.
+(``StageNode.add_output_filter``), so other nodes in the same process are unaffected; ``agora node --attack``
+installs it right after building the node, before any work arrives. What each kind does and what its strength
+means: docs/ATTACKS.md.
 """
 
 from __future__ import annotations

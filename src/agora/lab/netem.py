@@ -1,32 +1,14 @@
 """Link emulation for throughput experiments: an in-transport throttle and a network-namespace testbed.
 
-Why two backends: the paper results we compare against were measured over slow links (80-300 Mb/s, tens of ms).
-:class:`LinkThrottle` emulates that inside one process (works everywhere, no privileges, cheap: it only sleeps),
-and is how latency is injected at all, because the machines we run on may lack the ``netem`` qdisc.
-:class:`NetnsTopology` builds real, kernel-enforced bandwidth caps (``tc tbf``) between network namespaces,
-which also catches effects an in-process throttle cannot (TCP slow start, queueing, libp2p framing).
+Why two backends: the results we compare against were measured over slow links (80-300 Mb/s, tens of ms).
+:class:`LinkThrottle` (``agora.net.throttle``, re-exported here) paces each process's egress in-process: no
+privileges, and our only way to inject latency where the ``netem`` qdisc is missing, but hivemind's averager and
+DHT traffic bypass it. :class:`NetnsTopology` (defined here) builds real, kernel-enforced caps (``tc tbf``) between
+network namespaces, which also catch TCP slow start, queueing and libp2p framing.
 
-How it is used: each process builds one throttle from ``AGORA_LINK`` (``LinkThrottle.from_env()``; "80mbit,50ms",
-"50ms" or "80mbit") as its egress link, shared by every call and handler, so concurrent senders queue behind each
-other as on a real uplink; ``agora.net.transport`` awaits ``throttle.send(nbytes, latency=first)`` before each
-message it writes, on calls and on replies.
-
-A message of B bytes then takes at least ``latency + B*8/X`` to leave, and a request/reply RPC pays the latency
-twice (once per direction), like a real path with RTT = 2 * latency. Throttling the sender only is deliberate:
-every peer throttles its own egress, so each link is counted exactly once. The hivemind averager and DHT traffic
-bypass our transport and are not throttled; use the namespace backend to cap those too.
-
-Namespace backend: ``with NetnsTopology(3, mbps=80) as topo:`` creates a hub namespace holding a bridge and N peer
-namespaces, each with a veth ``eth0`` on the bridge and address ``10.231.0.<i+1>/24``, egress capped by
-``tc qdisc add dev eth0 root tbf rate <X>mbit burst <b> latency <q>ms``. Everything lives in namespaces this code
-creates (the root namespace is never touched: no bridge, no route, no address there), the /24 is only ever
-configured inside them, and they have no uplink, so nothing can reach any outside address. ``topo.popen(i, argv)``
-runs a process inside peer i (``ip netns exec``); ``topo.add_peer()`` adds one more peer to a running topology
-(the demo gives every process it starts its own). Exit kills every process still inside one of those namespaces
-and deletes them all, also when setup or the body raised. :func:`cleanup_stale` removes leftovers of a crashed
-process (by our naming pattern and a dead creator pid only). :func:`entered` moves the *calling thread* into a
-namespace for a moment, so that a process it forks (hivemind's DHT) lives there while the caller stays home.
-Requires root, ``ip`` and ``tc`` (iproute2); :func:`available` says.
+:func:`entered` (``agora.net.netns``, re-exported) moves the calling thread into a namespace for a moment;
+:func:`cleanup_stale` removes a crashed process's leftovers; :func:`available` says whether root, ``ip`` and ``tc``
+are there. How the throttle is configured and timed, the topology's layout and its isolation: docs/NETEM.md.
 """
 
 from __future__ import annotations

@@ -1,43 +1,16 @@
 """Staleness-aware optimizer for the asynchronous pipeline (METHODS.md §2) and a bounded weight stash.
 
 Why: in PipeDream-style asynchronous 1F1B, stage ``s`` of ``P`` applies gradients that are ``tau_s = P-1-s``
-optimizer steps stale. The Nesterov-for-async-PP recipe [code: PluralisResearch/AsyncPP, node0] is NAdam with
-decoupled weight decay and a high ``beta1`` (0.99): the ``mu_{t+1} m_t`` term of NAdam extrapolates along the
-momentum, and with ``beta1 = 0.99`` the stale gradient itself enters with weight ~0.01, so staleness hurts far less
-than with Adam. This module provides
+optimizer steps stale. NAdam with decoupled weight decay and a high ``beta1`` (0.99) extrapolates along the momentum
+and lets the stale gradient in with weight ~0.01, so staleness hurts far less than with Adam (measured on CPU toys).
 
-* :class:`DelayedNAdam` -- exactly ``torch.optim.NAdam(..., decoupled_weight_decay=True, momentum_decay=0.004)``
-  (tested against torch to fp32 rounding: torch keeps ``mu_product`` in float32, we keep it in float64) plus two
-  *optional*, flag-guarded additions [reconstruction]:
+* :class:`DelayedNAdam`: exactly ``torch.optim.NAdam(..., decoupled_weight_decay=True, momentum_decay=0.004)``,
+  plus two optional, flag-guarded additions: a weight look-ahead by the delay (off by default, ``delay=0``) and a
+  per-stage ``beta1`` (:func:`beta1_for_delay`). State layout is torch's plus ``mu_product``.
+* :class:`WeightStash`: keeps the weights a microbatch's forward used, for its backward (bounded versions).
 
-  - **weight look-ahead by the delay**: :meth:`DelayedNAdam.lookahead_weights` returns
-    ``w_hat = w + lookahead_scale * tau * u`` where ``u`` is the optimizer's predicted next update (the NAdam update
-    with the unknown next gradient replaced by the momentum ``m_t``, plus decoupled decay). Forward (and therefore
-    backward, via the stash) runs on ``w_hat``, so the gradient that arrives ``tau`` steps later was computed
-    roughly where the weights are by then. Parameters themselves always hold the master weights ``w``, so
-    checkpointing, state export, averaging and clipping need no change. ``delay=0`` (the default) turns it off.
-  - **per-stage momentum by delay** (METHODS §2.4): :func:`beta1_for_delay`,
-    ``beta1_s = beta1 + tau_s * (0.99 - beta1) / P``. It is a no-op for the default ``beta1 = 0.99``.
-
-  Measured (CPU toys, weight stashing, same lr and seeds; final loss): linear regression tau=4 lr=0.1: Adam(0.9)
-  0.38-0.80, NAdam(0.99) 1.2e-4..1.5e-2, + look-ahead 3.1e-4..3.0e-2; tau=8 lr=0.05: Adam 0.18-0.62, NAdam
-  3.8e-4..1.8e-3, + look-ahead 2.6e-4..9.0e-4. METHODS §2 MLP (32-64-1 tanh, tau=7, lr 3e-3, 2000 steps): Adam(0.9)
-  no delay 1.2-1.5e-3; delayed Adam(0.9) 1.3-1.8e-2, Adam(0.99) 2.8-3.7e-2, NAdam(0.9) 1.2e-2, NAdam(0.99)
-  2.7-3.0e-3, + look-ahead 2.0-6.9e-3 (scale 0.5: 2.1-3.6e-3). So high-momentum NAdam is the robust win; the
-  weight look-ahead helps at large delay on the convex toy, is mixed on the MLP: keep it off unless ablated.
-
-* :class:`WeightStash` -- keeps the parameter version a microbatch's forward used, so its backward uses the very
-  same weights (PipeDream weight stashing), with a bounded number of versions (``tau + 1`` suffices for 1F1B).
-
-State layout is torch's (``exp_avg``, ``exp_avg_sq``, ``step`` as a 0-dim float CPU tensor) plus ``mu_product``,
-which is recomputed from ``step`` when missing: ``StageNode.export_state``/``import_state`` (which only carry
-``exp_avg``/``exp_avg_sq``/``step``) keep working unchanged.
-
-How the swarm uses this: ``agora.optim.build_optimizer`` builds ``DelayedNAdam`` when ``optimizer.name`` is
-``nadam`` (``delay`` = the stage's pipeline depth when ``lookahead`` is on). ``StageNode`` does its own weight
-stashing (one detached snapshot per parameter version, run with ``torch.func.functional_call``, gradients moved
-to the live parameters): it needs no eviction, because a snapshot dies with the last microbatch holding it.
-:class:`WeightStash` is the bounded, explicit form of the same idea, used by the delayed-gradient toy in the tests.
+``agora.optim.build_optimizer`` builds it for ``optimizer.name: nadam``. The look-ahead's definition, the measured
+losses and how the stage runtime stashes weights: docs/OPTIMIZER.md.
 """
 
 from __future__ import annotations
@@ -120,7 +93,7 @@ class DelayedNAdam(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["mu_product"] = 1.0
-        elif "mu_product" not in state:  # imported by StageNode.import_state, which does not carry it
+        elif "mu_product" not in state:  # imported by StageRuntime.import_state, which does not carry it
             state["mu_product"] = nadam_mu_product(group["betas"][0], int(state["step"]), group["momentum_decay"])
         return state
 

@@ -8,7 +8,8 @@ flagged one is retried on another replica (an exact reproduction there withdraws
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional
 
 import torch
 
@@ -23,21 +24,39 @@ from agora.wire import Boundary
 logger = logging.getLogger("agora.node")
 
 
+@dataclass
+class DownstreamHooks:
+    """What the next hop needs from its node (explicit, so it never holds the node).
+
+    :param run_io: ``await run_io(fn, *args)`` on the node's I/O threads
+    :param is_leaving: whether the node is leaving (a hop then stops waiting for an empty next stage)
+    :param screening: the node's SENTINEL, or None
+    :param counters: the node's counters (retries are counted there)
+    :param stats: byte counters of the calls to the next stage
+    :param acks: results each downstream peer delivered (the node publishes them)
+    """
+
+    run_io: Callable[..., Awaitable[Any]]
+    is_leaving: Callable[[], bool]
+    screening: Optional[Screening]
+    counters: Counters
+    stats: TransferStats
+    acks: dict[str, int] = field(default_factory=dict)
+
+
 class Downstream:
     """The next stage as seen from one stage: its records (refreshed off the hot path) and a router to it.
 
     :param stage_index: the stage sending (its next stage is called)
-    :param run_io: ``await run_io(fn, *args)`` on the node's I/O threads
-    :param is_leaving: whether the node is leaving (a hop then stops waiting for an empty next stage)
     """
 
     def __init__(self, manifest: Manifest, stage_index: int, dht, p2p, options: RouterOptions,
-                 stats: TransferStats, counters: Counters, hooks: "DownstreamHooks"):
+                 hooks: DownstreamHooks):
         self.manifest, self.stage_index, self.dht = manifest, stage_index, dht
         self.next_stage = stage_index + 1
-        self.counters, self.hooks = counters, hooks
+        self.counters, self.hooks = hooks.counters, hooks
         self.records: list[StageRecord] = []
-        self.router = Router(p2p, manifest.run_id, self.next_stage, self, options, stats=stats)
+        self.router = Router(p2p, manifest.run_id, self.next_stage, self, options, stats=hooks.stats, acks=hooks.acks)
 
     # ------------------------------------------------------------------ the router's view (PeerSource)
     def candidates(self) -> list[StageRecord]:
@@ -85,10 +104,3 @@ class Downstream:
         _, reply = await self.router.call(down_meta, tensors, stopped=self.hooks.is_leaving, accept=accept,
                                           on_retry=count_retry)
         return reply
-
-
-class DownstreamHooks:
-    """The node's callbacks the next hop needs (explicit, so it never holds the node)."""
-
-    def __init__(self, run_io, is_leaving, screening: Optional[Screening]):
-        self.run_io, self.is_leaving, self.screening = run_io, is_leaving, screening

@@ -170,11 +170,9 @@ class StageNode:
         o, n_stages = self.opts, self.manifest.n_stages
         options = RouterOptions(max_retries=o.max_retries, timeout_s=o.hop_timeout_s * (n_stages - self.stage_index - 1),
                                 wait_for_peers_s=o.wait_for_peers_s, backoff_s=0.5, ban_s=o.ban_s)
-        hooks = DownstreamHooks(self.run_io, lambda: self.state == PeerState.LEAVING, self.screening)
-        down = Downstream(self.manifest, self.stage_index, self.dht, self._p2p, options, self.stats_out,
-                          self.counters, hooks)
-        down.router.acks = self.acks
-        return down
+        hooks = DownstreamHooks(run_io=self.run_io, is_leaving=lambda: self.state == PeerState.LEAVING,
+                                 screening=self.screening, counters=self.counters, stats=self.stats_out, acks=self.acks)
+        return Downstream(self.manifest, self.stage_index, self.dht, self._p2p, options, hooks)
 
     def _new_sync(self) -> ReplicaSync:
         ctx = SyncContext(

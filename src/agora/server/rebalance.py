@@ -11,7 +11,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Optional
 
 from agora.net.records import PeerState, announce, read_subkeys, read_swarm
 from agora.net.routing import Move, plan_rebalance

@@ -55,9 +55,10 @@ class Message:
 class Screening:
     """The node's SENTINEL: a monitor that outlives stage moves (bans stay), audits for the current stage.
 
-    :param run_io: ``await run_io(fn, *args)`` on the node's I/O threads (SENTINEL's work stays off the event loop)
-    :param log_event: the node's event log
-    :param step: the stage's current step (compute-thread value, read for the verdict log)
+    :param stats: byte counters of the audit calls (the node's downstream counters)
+    :param audit_rate: the share of accepted messages audited where the direction can be recomputed
+    :param hop_timeout_s: the timeout of one audit call
+    :param log_path: a JSONL file receiving one line per verdict, or None
     """
 
     def __init__(self, manifest: Manifest, dht, stats: TransferStats, audit_rate: float, hop_timeout_s: float,
@@ -196,7 +197,12 @@ class Screening:
 
 @dataclass
 class ScreeningHooks:
-    """The node's callbacks screening needs (explicit, so screening never holds the node)."""
+    """The node's callbacks screening needs (explicit, so screening never holds the node).
+
+    :param run_io: ``await run_io(fn, *args)`` on the node's I/O threads (SENTINEL's work stays off the event loop)
+    :param log_event: the node's event log
+    :param step: the stage's current step (read for the verdict log)
+    """
 
     run_io: Callable[..., Awaitable[Any]]
     log_event: Callable[..., None]

@@ -1,32 +1,16 @@
 """Who may write what in the DHT: owner-signed records, record shape limits, allow-lists, signed manifests.
 
-Why: hivemind's DHT stores whatever anyone sends. Today any peer can overwrite another peer's stage record (route
-traffic to itself, announce a fake ``leaving``), publish huge values, or announce a manifest. The fixes, all built
-from hivemind's own ``RecordValidatorBase`` so every DHT node enforces them on store *and* on read:
+Why: hivemind's DHT stores whatever anyone sends, so any peer could overwrite another peer's stage record, publish
+huge values or announce a manifest. The validators here are hivemind ``RecordValidatorBase`` subclasses, so every
+DHT node enforces them on store *and* on read:
 
-* **Owner-only subkeys** (``RSASignatureValidator``): a subkey carrying ``[owner:<ssh-rsa key>]`` can only be
-  written with a signature of that key. agora's subkeys become ``owner_subkey(peer_id, public_key)``.
-* **Self-certifying peer ids** (``AgoraRecordValidator``): a record's ``peer_id`` must equal the subkey's, and the
-  subkey's peer id must be the libp2p peer id *of the owner key* (libp2p derives RSA peer ids by hashing the
-  key). Nobody can announce records for a peer id they do not hold the private key of, without any authority.
-  This requires the node's libp2p identity and its record key to be one RSA key: ``ensure_identity(path)`` writes
-  or reads hivemind's identity file, which is then passed to ``DHT(identity_path=path)``.
-* **Shape and size** (``AgoraRecordValidator``, ``RecordSizeValidator``): run keys hold msgpack dicts of scalars /
-  lists / shallow dicts under 8 KB; stage records must name their own stage, a known state and finite, non-negative
-  counters; no record on any key may exceed 32 KB stored.
-* **Allow-list** (``AllowListValidator``, optional): the run's authority signs certificates binding a peer's public
-  key to the run (optionally expiring). A node injects its certificate into every record it signs; records on the
-  run's keys without a valid certificate are rejected, and so are records on foreign keys (no free storage).
-* **Signed manifests**: ``sign_manifest`` / ``verify_manifest`` over the manifest's bytes (domain-separated), so a
-  joining peer can check that the manifest it was handed is the authority's.
+* owner-only subkeys (``owner_subkey``) with self-certifying peer ids (``AgoraRecordValidator``, ``ensure_identity``);
+* record shape and size limits (``AgoraRecordValidator``, ``RecordSizeValidator``);
+* an optional allow-list of authority-signed peer certificates (``AllowListValidator``);
+* signed manifests (``sign_manifest`` / ``verify_manifest``, re-exported from ``agora.config.signature``).
 
-How the swarm uses it: ``agora.trust.credentials`` loads the identity and certificate and builds the validators
-for ``agora.net.dht.make_dht``; ``agora.net.records.announce`` writes every record under
-``owner_subkey(peer_id, key)``; the manifest's ``security`` section names the authority and whether the run is
-allow-listed, and ``agora.config.load_manifest`` refuses a manifest file whose ``.sig`` does not verify.
-Data-plane RPCs: libp2p authenticates the caller's peer id on every stream, and with self-certifying ids a callee
-of an allow-listed run serves a caller only if it holds a certified record of the run
-(``agora.net.members.RunMembers``).
+``agora.trust.credentials`` builds these validators for ``agora.net.dht.make_dht``. What each check enforces and
+how the rest of agora relies on it: docs/TRUST.md.
 """
 
 from __future__ import annotations
@@ -50,7 +34,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.crypto import RSAPrivateKey
 
 from agora.config.signature import (  # noqa: F401  (re-exported: the manifest's signature format lives with it)
     MANIFEST_DOMAIN,

@@ -1,29 +1,15 @@
 """hivemind pieces behind the averaging schemes of ``agora.server.averaging.sync``: a byte counter, a two-phase averager.
 
-``CountingCompression`` is hivemind's ``NoCompression`` that also counts the payload bytes it serializes. In a
-butterfly all-reduce a peer serializes exactly the parts of its tensors it sends to the other reducers, so the
-counter measures what this peer put on the wire per round (the averaged deltas the reducers send back are the same
-size as the parts they received; hivemind serializes those through its own codec table, so they are not counted).
-The counter is a shared-memory integer: the all-reduce runs in the averager's background process, and the
-``ReplicaSync`` in the node's process reads it.
+``CountingCompression`` is hivemind's ``NoCompression`` that also counts the payload bytes this peer serializes,
+i.e. what it puts on the wire per round; the counter is in shared memory because the all-reduce runs in the
+averager's background process and the ``ReplicaSync`` reads it in the node's.
 
-``PowerSGDAverager`` runs both all-reduces of a PowerSGD round (P with the uncompressed tensors, then Q) in *one*
-matchmade group. Why one group: ``P^ = orthogonalize(mean P)`` differs with the group, and ``update = P^ mean(Q)^T``
-is only the same on every replica if every replica averaged P and Q over the same members. hivemind matchmaking
-hands out one group per ``step()``, so both phases run inside one ``_aggregate_with_group`` (the approach of
-hivemind's ``PowerSGDGradientAverager``), under two sub-group ids registered together.
+``PowerSGDAverager`` runs both all-reduces of a PowerSGD round (P, then Q) in *one* matchmade group, because the
+update is only the same on every replica if all of them averaged P and Q over the same members. The node's process
+keeps the error buffers; the averager's process orthogonalizes the averaged P and computes Q between the phases.
+The averaged P and Q are rounded to float32, so every replica computes from identical inputs.
 
-The division of work: the node's process does everything that involves the error buffers (``PowerSGD.compress_p``
-before the round, ``PowerSGD.decompress`` after it), and hands the averager the phase-1 payload plus ``M = G + E``
-in shared memory. Between the phases the averager process needs only ``P`` and ``M``: it orthogonalizes the
-averaged ``P`` in place and writes ``Q = M^T P^`` into the phase-2 buffers. After the round the buffers hold
-``P^``, the averaged passthrough tensors and the averaged ``Q``.
-
-Bit-identity: hivemind returns each peer ``local + (average - local)``, which in float64 can differ between peers
-in the last bit. The averaged ``P`` and ``Q`` are therefore rounded to float32 (and kept in float64 buffers) before
-they are used: the rounding maps all those nearly-equal values to the same one (except, rarely, a value right at a
-float32 rounding boundary; the fingerprint repair of ``ReplicaSync`` covers that, as it does for ``full``), so
-``P^``, ``Q`` and the update are computed from identical inputs on every replica.
+Details (what is and is not counted, the division of work, bit-identity): docs/COMPRESSION.md.
 """
 
 from __future__ import annotations
