@@ -43,7 +43,9 @@ class RouterOptions:
     max_retries: int = 3
     timeout_s: float = 30.0  # one call, the downstream chain included
     wait_for_peers_s: float = 60.0  # how long a request waits for an empty stage before giving up
-    backoff_s: float = 0.5  # pause before calling again a peer this request already tried (x its failed tries)
+    backoff_s: float = 0.5  # pause before calling again a peer this request already tried
+    backoff_per_attempt: bool = False  # the pause grows with the attempt number (else with that peer's failed tries)
+    use_inflight: bool = True  # prefer peers with fewer of our own calls in flight (the trainer's many microbatches)
     ban_s: float = 15.0
     retryable: frozenset = field(default=RETRYABLE)  # codes worth another replica; others are raised at once
     warn_when_empty: bool = True  # log once per request while the stage has no peer
@@ -79,7 +81,7 @@ class Router:
         warned = False
         while True:
             peer = pick_peer_or_fallback(self.source.candidates(), job_tokens, tried=tried, bans=self.bans,
-                                         inflight=self.inflight)
+                                         inflight=self.inflight if self.opts.use_inflight else None)
             if peer is not None:
                 return peer
             if time.monotonic() > deadline or stopped():
@@ -93,11 +95,13 @@ class Router:
     async def call(self, meta: dict, tensors: list[torch.Tensor], *, job_tokens: int = 1,
                    stopped: Callable[[], bool] = lambda: False,
                    accept: Optional[Callable[[StageRecord, Reply], Awaitable[bool]]] = None,
-                   on_retry: Optional[Callable[[], None]] = None, rpc: str = FWD_BWD) -> tuple[StageRecord, Reply]:
+                   on_retry: Optional[Callable[[], None]] = None, on_failure: Optional[Callable[[], None]] = None,
+                   rpc: str = FWD_BWD) -> tuple[StageRecord, Reply]:
         """Call ``rpc`` on a peer of the stage; on a retryable failure, or a reply ``accept`` refuses, try another.
 
         Raises the peer's ``RpcError`` when its code is not retryable, ``no_peers`` when the stage stayed empty
-        (or ``stopped``), ``retries_exhausted`` after ``max_retries`` retries. ``on_retry`` runs before each retry.
+        (or ``stopped``), ``retries_exhausted`` after ``max_retries`` retries. ``on_retry`` runs before each retry,
+        ``on_failure`` after each retryable failure or refused reply (the last one included).
         """
         tried: list[str] = []
         last_error: Optional[Exception] = None
@@ -108,19 +112,21 @@ class Router:
             if peer is None:
                 raise RpcError("no_peers", f"stage {self.stage} has no reachable peers (tried {len(tried)})")
             if peer.peer_id in tried:
-                await asyncio.sleep(self.opts.backoff_s * tried.count(peer.peer_id))
+                factor = attempt if self.opts.backoff_per_attempt else tried.count(peer.peer_id)
+                await asyncio.sleep(self.opts.backoff_s * factor)
             try:
                 reply = await self._call_one(peer.peer_id, meta, tensors, rpc)
             except RpcError as err:
                 last_error = err
                 self._failed(peer.peer_id, err, tried, attempt)
-                continue
-            if accept is not None and not await accept(peer, reply):
+            else:
+                if accept is None or await accept(peer, reply):
+                    self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
+                    return peer, reply
                 tried.append(peer.peer_id)
                 last_error = RpcError("sentinel", f"reply of {peer.peer_id[-8:]} refused")
-                continue
-            self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
-            return peer, reply
+            if on_failure is not None:
+                on_failure()
         raise RpcError("retries_exhausted",
                        f"stage {self.stage}: {self.opts.max_retries} retries failed; last: {last_error}")
 

@@ -103,7 +103,7 @@ class Trainer:
         self._p2p = await self.dht.replicate_p2p()
         options = RouterOptions(max_retries=self.opts.max_retries, timeout_s=self.opts.call_timeout_s,
                                 wait_for_peers_s=self.opts.call_timeout_s, backoff_s=self.opts.retry_backoff_s,
-                                ban_s=self.opts.ban_s, retryable=RETRYABLE | DOWNSTREAM, warn_when_empty=False)
+                                backoff_per_attempt=True, ban_s=self.opts.ban_s, retryable=RETRYABLE | DOWNSTREAM, warn_when_empty=False)
         self.router = Router(self._p2p, self.manifest.run_id, 0, self, options, stats=self.transfer,
                              errors=self.stats.errors)
         await self.announce()  # stages of an allow-listed run serve only callers with a (certified) record

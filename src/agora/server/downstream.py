@@ -98,9 +98,9 @@ class Downstream:
                 screening.maybe_audit(msg, down_meta, tensors, flagged=False)
             return not flagged
 
-        def count_retry() -> None:
-            self.counters.retried += 1
+        def count_failure() -> None:
+            self.counters.retried += 1  # every failed or refused attempt (the node's record counts them so)
 
         _, reply = await self.router.call(down_meta, tensors, stopped=self.hooks.is_leaving, accept=accept,
-                                          on_retry=count_retry)
+                                          on_failure=count_failure)
         return reply

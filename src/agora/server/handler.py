@@ -174,10 +174,12 @@ class StageHandler:
     async def process(self, rt: StageRuntime, meta: dict, tensors: list[torch.Tensor], train: bool):
         """Forward here, the rest of the pipeline downstream, backward here; the reply goes upstream."""
         node, counters = self.node, self.node.counters
+        generation, downstream = rt.generation, node.downstream  # this request belongs to the stage served now
+        rt.check_generation(generation)
         node.inflight += 1
         node.queue += 1
         try:
-            pending, loss = await node.run_compute(rt.forward, tensors, train, rt.generation)
+            pending, loss = await node.run_compute(rt.forward, tensors, train, generation)
             node.queue -= 1
             counters.forward += 1
             counters.tokens += pending.tokens.numel() if train else 0
@@ -185,7 +187,7 @@ class StageHandler:
             if rt.is_tail:
                 return await self._finish_tail(rt, pending, loss, train)
             boundary = rt.boundary(pending)
-            down_meta, down_tensors = await node.downstream.send(meta, boundary, tensors[-1], pending.version)
+            down_meta, down_tensors = await downstream.send(meta, boundary, tensors[-1], pending.version)
             path = [node.peer_id, *down_meta.get("path", [])]
             if not train:
                 return {"loss": down_meta.get("loss"), "path": path}, []

@@ -169,7 +169,7 @@ class StageNode:
     def _new_downstream(self) -> Downstream:
         o, n_stages = self.opts, self.manifest.n_stages
         options = RouterOptions(max_retries=o.max_retries, timeout_s=o.hop_timeout_s * (n_stages - self.stage_index - 1),
-                                wait_for_peers_s=o.wait_for_peers_s, backoff_s=0.5, ban_s=o.ban_s)
+                                wait_for_peers_s=o.wait_for_peers_s, backoff_s=0.5, ban_s=o.ban_s, use_inflight=False)
         hooks = DownstreamHooks(run_io=self.run_io, is_leaving=lambda: self.state == PeerState.LEAVING,
                                  screening=self.screening, counters=self.counters, stats=self.stats_out, acks=self.acks)
         return Downstream(self.manifest, self.stage_index, self.dht, self._p2p, options, hooks)
@@ -279,7 +279,7 @@ class StageNode:
         if new_stage == old.stage_index or not 0 <= new_stage < self.manifest.n_stages:
             raise ValueError(f"cannot move from stage {old.stage_index} to {new_stage}")
         await self._leave_stage()
-        await self.run_compute(self._switch_runtime, self._new_runtime(new_stage))
+        await self.run_compute(lambda: self._switch_runtime(self._new_runtime(new_stage)))  # built off the loop
         if await self._join_stage(require_state=True):
             self.moves += 1
             self.log_event("moved", from_stage=old.stage_index, to_stage=new_stage, step=self.step,
@@ -306,6 +306,7 @@ class StageNode:
         stage = runtime.stage_index
         self.previous_stages = [s for s in self.previous_stages if s != stage][-3:] + [self.stage_index]
         self.generation += 1
+        self.runtime.retire()  # microbatches still in flight on the stage left are refused (``leaving``)
         runtime.activate(self.generation)
         runtime.output_filters = self.output_filters
         self.runtime = runtime

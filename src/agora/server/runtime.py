@@ -94,6 +94,7 @@ class StageRuntime:
         self.step = 0
         self.version = 0  # bumped whenever the parameters change (optimizer step, state import, averaging)
         self.generation = 0  # set by the node when it activates this runtime; pending microbatches must match
+        self.active = True  # False once the node serves another runtime
         self.samples = 0  # samples whose gradients sit in .grad, waiting for the next step
         self.last_sample_time = time.monotonic()
         self.throughput = 0.0  # tokens/s of compute, EMA
@@ -108,7 +109,7 @@ class StageRuntime:
     def activate(self, generation: int) -> None:
         """Serve from this runtime under ``generation``: microbatches of earlier activations are refused, and
         gradients, samples and measurements of an earlier stint are dropped (they belong to a stage left)."""
-        self.generation = generation
+        self.generation, self.active = generation, True
         self.version += 1
         for p in self.stage.parameters():
             p.grad = None
@@ -117,8 +118,12 @@ class StageRuntime:
         self.loss_ema = float("nan")
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
 
+    def retire(self) -> None:
+        """The node serves another runtime now: refuse this one's microbatches from here on."""
+        self.active = False
+
     def check_generation(self, generation: int) -> None:
-        if generation != self.generation:
+        if generation != self.generation or not self.active:
             raise RpcError("leaving", f"this peer moved to stage {self.stage_index}")
 
     def sent_version(self, step: int) -> list:

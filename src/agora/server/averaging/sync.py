@@ -386,7 +386,6 @@ class ReplicaSync:
         c, rt = self.ctx, self.ctx.runtime
         t0 = time.monotonic()
         samples, grads = await c.run_compute(rt.take_gradients)
-        self._before_step(samples)
         averaged, group = await self._group_average(samples, grads, n_others) if n_others > 0 else (None, 1)
         local = averaged is None
         if local:
@@ -397,6 +396,7 @@ class ReplicaSync:
             self._set_fingerprint()
             self._after_step()
 
+        self._before_step(samples)
         await c.run_compute(step)
         if local:  # counted once the step is applied: a scrape never sees more local steps than steps
             self.local_steps += 1
