@@ -73,6 +73,12 @@ class NodeOptions:
 
 
 class StageNode:
+    """One peer serving one stage of ``manifest`` (``stage``: its index) through ``dht``'s libp2p daemon.
+
+    ``start()`` registers the RPCs and joins the stage; ``stop()`` leaves gracefully; ``move_to()`` serves another
+    stage. The served stage's compute is ``runtime``, its next hop ``downstream``, its replica sync ``sync``.
+    """
+
     def __init__(self, manifest: Manifest, stage: int, dht: DHT, options: Optional[NodeOptions] = None):
         self.manifest, self.dht, self.opts = manifest, dht, options or NodeOptions()
         self.peer_id = str(dht.peer_id)
@@ -138,8 +144,7 @@ class StageNode:
     def add_output_filter(self, fn: OutputFilter) -> None:
         """Pass every message this node sends through ``fn(direction, tensor) -> tensor`` (the attack simulator's
         hook; see ``runtime.OutputFilter``). Survives stage moves."""
-        self.output_filters.append(fn)
-        self.runtime.output_filters = self.output_filters
+        self.output_filters.append(fn)  # the runtimes share this list
 
     def banned_peers(self) -> set[str]:
         return self.screening.banned_peers() if self.screening is not None else set()

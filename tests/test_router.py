@@ -1,0 +1,139 @@
+"""The one retry loop (``client/router.py``) and a runtime's refusal of work from a stage it left, offline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from agora.client.router import Router, RouterOptions
+from agora.config import load_manifest
+from agora.net import transport
+from agora.net.records import StageRecord
+from agora.net.transport import RpcError
+from agora.server.observers import Observers
+from agora.server.runtime import Counters, StageRuntime
+
+MAN = load_manifest("tiny")
+
+
+def _record(peer: str, throughput: float = 100.0) -> StageRecord:
+    return StageRecord(peer_id=peer, stage=1, state="serving", manifest_hash=MAN.hash, throughput=throughput)
+
+
+class _Stage:
+    """A PeerSource with fixed records; counts refreshes."""
+
+    def __init__(self, peers: list[str]):
+        self.records = [_record(p) for p in peers]
+        self.refreshes = 0
+
+    def candidates(self):
+        return self.records
+
+    async def refresh(self):
+        self.refreshes += 1
+
+
+def _router(peers: list[str], **options) -> tuple[Router, _Stage]:
+    stage = _Stage(peers)
+    opts = RouterOptions(**{"max_retries": 2, "backoff_s": 0.0, "wait_for_peers_s": 0.2, **options})
+    return Router(None, MAN.run_id, 1, stage, opts), stage
+
+
+@pytest.fixture
+def replies(monkeypatch):
+    """Scripted replies per peer: an RpcError code raises it, anything else is returned as the reply meta."""
+    script: dict[str, list] = {}
+    calls: list[str] = []
+
+    async def fake_call(p2p, peer_id, namespace, name, meta, tensors, timeout, stats=None):
+        calls.append(peer_id)
+        outcome = script[peer_id].pop(0) if len(script[peer_id]) > 1 else script[peer_id][0]
+        if isinstance(outcome, str):
+            raise RpcError(outcome, f"{peer_id} says {outcome}")
+        return outcome, []
+
+    monkeypatch.setattr(transport, "call", fake_call)
+    return script, calls
+
+
+def test_a_failing_peer_is_banned_and_another_replica_serves(replies):
+    script, calls = replies
+    script.update({"a": [transport.UNREACHABLE], "b": [{"loss": 1.0}]})
+    router, stage = _router(["a", "b"])
+    stage.records[0].throughput = 1e6  # "a" is the fastest: it is picked first
+    counted = {"retry": 0, "failure": 0}
+
+    async def main():
+        return await router.call({}, [], on_retry=lambda: counted.__setitem__("retry", counted["retry"] + 1),
+                                 on_failure=lambda: counted.__setitem__("failure", counted["failure"] + 1))
+
+    peer, (meta, _) = asyncio.run(main())
+    assert calls == ["a", "b"] and peer.peer_id == "b" and meta == {"loss": 1.0}
+    assert router.acks == {"b": 1} and router.bans.banned("a") and not router.bans.banned("b")
+    assert counted == {"retry": 1, "failure": 1} and router.errors == {transport.UNREACHABLE: 1}
+
+
+def test_an_error_no_replica_can_fix_is_raised_at_once(replies):
+    script, calls = replies
+    script.update({"a": ["shape_mismatch"]})
+    router, _ = _router(["a"])
+    with pytest.raises(RpcError) as err:
+        asyncio.run(router.call({}, []))
+    assert err.value.code == "shape_mismatch" and calls == ["a"]
+
+
+def test_retries_are_bounded(replies):
+    script, calls = replies
+    script.update({"a": ["leaving"], "b": [transport.TIMEOUT]})
+    router, _ = _router(["a", "b"], max_retries=2)
+    failures = []
+    with pytest.raises(RpcError) as err:
+        asyncio.run(router.call({}, [], on_failure=lambda: failures.append(1)))
+    assert err.value.code == "retries_exhausted"
+    assert len(calls) == 3 and len(failures) == 3  # max_retries + 1 attempts, each one counted
+    assert not router.bans.banned("a") and router.bans.banned("b")  # leaving is healthy; a timeout is not
+
+
+def test_a_refused_reply_is_retried_on_another_replica(replies):
+    script, calls = replies
+    script.update({"a": [{"from": "a"}], "b": [{"from": "b"}]})
+    router, _ = _router(["a", "b"])
+
+    async def refuse_a(peer, reply):
+        return peer.peer_id != "a"
+
+    peer, (meta, _) = asyncio.run(router.call({}, [], accept=refuse_a))
+    assert peer.peer_id == "b" and meta == {"from": "b"} and router.acks == {"b": 1}
+
+
+def test_an_empty_stage_is_waited_for_then_given_up(replies):
+    router, stage = _router([])
+    with pytest.raises(RpcError) as err:
+        asyncio.run(router.call({}, []))
+    assert err.value.code == "no_peers" and stage.refreshes >= 1
+    stopped_router, stopped_stage = _router([], wait_for_peers_s=60.0)
+    with pytest.raises(RpcError):
+        asyncio.run(stopped_router.call({}, [], stopped=lambda: True))  # a leaving node stops waiting at once
+    assert stopped_stage.refreshes == 0
+
+
+def test_a_retired_runtime_refuses_microbatches_of_the_stage_it_left():
+    """A stage move retires the runtime: a backward arriving for a forward it computed answers ``leaving`` (the
+    caller retries elsewhere) instead of training a runtime nobody serves; so does one from before a failed move
+    that reactivated it."""
+    rt = StageRuntime(MAN, 0, Counters(), Observers())
+    tokens = torch.randint(0, MAN.model.vocab_size, (2, 16), dtype=torch.int32)
+    pending, _ = rt.forward([tokens, tokens[:, -1]], train=True, generation=rt.generation)
+    grad = torch.randn(2, 16, MAN.residual.k)
+    rt.retire()
+    with pytest.raises(RpcError) as err:
+        rt.backward(pending, grad)
+    assert err.value.code == "leaving"
+    rt.activate(7)  # back to this stage after a failed move
+    with pytest.raises(RpcError):
+        rt.backward(pending, grad)
+    fresh, _ = rt.forward([tokens, tokens[:, -1]], train=True, generation=rt.generation)
+    assert rt.backward(fresh, grad) is None and rt.samples == 2  # the head returns no gradient; samples count
