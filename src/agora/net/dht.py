@@ -17,6 +17,7 @@ os.environ.setdefault("USE_LEGACY_BFLOAT16", "0")  # before hivemind is imported
 from hivemind import DHT  # noqa: E402
 
 from agora.config import Manifest  # noqa: E402
+from agora.net.lifeline import GuardedDHT  # noqa: E402
 from agora.net.netns import entered  # noqa: E402
 from agora.net.records import announce, bind_owner_key, manifest_key, read_subkeys  # noqa: E402
 from agora.trust.credentials import CredentialError, load_credentials, record_validators  # noqa: E402
@@ -108,10 +109,10 @@ def _start_dht(initial_peers: Sequence[str], endpoint: Endpoint, client_mode: bo
         kwargs["announce_maddrs"] = [f"/ip4/{endpoint.announce_host}/tcp/{port}"]
     if netns is None:
         try:
-            return DHT(initial_peers=list(initial_peers), start=True, **kwargs)
+            return GuardedDHT(initial_peers=list(initial_peers), start=True, **kwargs)
         except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
             raise _join_error(initial_peers, err) from err
-    dht = DHT(initial_peers=list(initial_peers), start=False, **kwargs)
+    dht = GuardedDHT(initial_peers=list(initial_peers), start=False, **kwargs)
     with entered(netns):  # a failure to enter is a setup error, not a join error: it propagates as is
         dht.start()  # fork only: the child inherits this thread's namespace
     try:

@@ -30,6 +30,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 
 from agora.compression.powersgd import orthogonalize
+from agora.net.lifeline import ParentWatch
 
 PHASE_P = b".P"
 PHASE_Q = b".Q"
@@ -59,7 +60,19 @@ def canonical_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.copy_(tensor.float())
 
 
-class PowerSGDAverager(DecentralizedAverager):
+class GuardedAverager(DecentralizedAverager):
+    """hivemind's averager process, ended when the node process that started it dies (``net.lifeline``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._lifeline = ParentWatch()
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        self._lifeline.start()
+        super().run()
+
+
+class PowerSGDAverager(GuardedAverager):
     """A ``DecentralizedAverager`` whose one round is a full PowerSGD round over one group.
 
     :param phase1: float64 buffers all-reduced first: one ``P`` (n x r) per compressed tensor, then the

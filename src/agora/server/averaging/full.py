@@ -12,9 +12,9 @@ import logging
 import random
 
 import torch
-from hivemind.averaging import DecentralizedAverager
 
 from agora.net.records import PeerState
+from agora.server.averaging.allreduce import GuardedAverager
 from agora.server.averaging.sync import ReplicaSync, SyncContext
 
 logger = logging.getLogger("agora.averaging")
@@ -29,7 +29,7 @@ class FullSync(ReplicaSync):
 
     def _make_averager(self):
         gradients = [torch.zeros_like(p, dtype=torch.float64) for p in self.ctx.runtime.stage.parameters()]
-        return DecentralizedAverager(gradients, self.ctx.dht, **self.averager_settings())
+        return GuardedAverager(gradients, self.ctx.dht, **self.averager_settings())
 
     def _load_buffers(self, grads: list[torch.Tensor], step: int) -> None:
         with self.averager.get_tensors() as bufs:

@@ -18,10 +18,10 @@ import time
 from typing import Optional
 
 import torch
-from hivemind.averaging import DecentralizedAverager
 
 from agora.compression.sparse import SparseAverager, SparseSnapshot
 from agora.net.records import PeerState
+from agora.server.averaging.allreduce import GuardedAverager
 from agora.server.averaging.sync import ReplicaSync, SyncContext
 
 logger = logging.getLogger("agora.averaging")
@@ -36,7 +36,7 @@ class SparseSync(ReplicaSync):
         self.sparse = SparseAverager(list(rt.stage.named_parameters()), rt.optimizer, seed=(m.run_id, rt.stage_index),
                                      rho=m.averaging.rho, every=m.averaging.every)
         payload = [torch.zeros(self.sparse.payload_numel(), dtype=torch.float64)]
-        self.averager = DecentralizedAverager(payload, ctx.dht, **self.averager_settings())
+        self.averager = GuardedAverager(payload, ctx.dht, **self.averager_settings())
         self._sparse_task: Optional[asyncio.Task] = None  # the background round in flight (at most one)
         self._samples_since_round = 0  # the weight of this replica in the next round
         self._may_start = False  # no round in flight when the current step began
