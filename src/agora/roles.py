@@ -213,6 +213,7 @@ def node_summary(node: StageNode) -> dict:
         "aborted_rounds": sum(s.aborted_rounds for s in syncs),
         "averaging_bytes_sent": sum(s.bytes_sent for s in syncs),
         "moves": node.moves,
+        "maddrs": node.maddrs,
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),
         "events": node.events[-50:],

@@ -79,7 +79,7 @@ def swarm_status(dht: DHT, manifest: Manifest) -> dict:
             "capacity_tokens_per_s": caps[s],
             "peers": [
                 {"peer_id": r.peer_id, "short_id": r.peer_id[-8:], "state": r.state, "throughput": r.throughput,
-                 "step": r.step, "samples": r.samples, "queue": r.queue, "metrics": r.metrics}
+                 "step": r.step, "samples": r.samples, "queue": r.queue, "metrics": r.metrics, "addrs": r.addrs}
                 for r in sorted(recs, key=lambda r: r.peer_id)
             ],
         })
@@ -128,4 +128,8 @@ def render_status(snap: dict) -> Table:
         f"{mb.get('submitted', 0)}, completed {mb.get('completed', 0)}, retried {mb.get('retried', 0)}, "
         f"abandoned {mb.get('abandoned', 0)}. acked = results other peers confirm receiving from this peer."
     )
+    addrs = [a for st in snap["stages"] for p in st["peers"] if p["state"] == "serving" for a in p.get("addrs") or []]
+    entry = next((a for a in addrs if "/127." not in a), addrs[0] if addrs else None)  # a public address first
+    if entry:  # every serving peer is a way in: the bootstrap peer is not needed once the swarm runs
+        table.caption += f"\nJoin through any serving peer, e.g. --initial-peers {entry}"
     return table

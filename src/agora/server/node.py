@@ -25,6 +25,7 @@ from hivemind import DHT
 
 from agora.client.router import RouterOptions
 from agora.config import Manifest
+from agora.net.dht import visible_maddrs
 from agora.net.members import RunMembers
 from agora.net.records import ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_key, announce, bans_key, stage_key
 from agora.net.transport import TransferStats
@@ -109,6 +110,7 @@ class StageNode:
         self.handler = StageHandler(self)
         self.rebalancer = Rebalancer(self)
         self.downstream: Optional[Downstream] = None  # built with the P2P, in start()
+        self.maddrs: list[str] = []  # where others can dial this peer (announced: any live peer is a way in)
         self._p2p = None
         self._tasks: list[asyncio.Task] = []
         self._sync_task: Optional[asyncio.Task] = None
@@ -192,6 +194,8 @@ class StageNode:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
+        self.maddrs = await self.run_io(visible_maddrs, self.dht)
+        logger.info(f"reachable at {' '.join(self.maddrs)} (new peers may join through this address)")
         await self.handler.register(self._p2p)
         self._serve_stage_parts()
         self._tasks.append(asyncio.create_task(self._announce_loop(), name="announce"))
@@ -331,6 +335,7 @@ class StageNode:
             samples=rt.samples,
             fingerprint=sync.fingerprint if sync and sync.fingerprint_valid else 0.0,
             averaging_step=sync.averaging_step if sync else -1,
+            addrs=self.maddrs,
             metrics={
                 "forward": c.forward, "backward": c.backward, "tokens": c.tokens, "retried": c.retried,
                 "failed": c.failed, "rejected": c.rejected, "loss": rt.loss_ema,
