@@ -227,3 +227,56 @@ def test_8b_preset_validates_and_reports_size():
     n = count_parameters(man)["total"]
     assert 5e9 < n < 9e9
     assert man.model.d_model / bytes_per_token(4096, "subspace", 40, "bf16") * 4 > 100  # >100x vs dense fp32
+
+
+def _with(section: str, **fields) -> dict:
+    """A ``tiny`` manifest section with ``fields`` changed (for ``_assert_manifest_error``)."""
+    data = load_manifest("tiny").model_dump(mode="json")[section]
+    data.update(fields)
+    return {section: data}
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (_with("optimizer", lr=float("inf")), "optimizer.lr: Input should be a finite number"),
+        (_with("optimizer", grad_clip=float("nan")), "optimizer.grad_clip: Input should be a finite number"),
+        (_with("optimizer", weight_decay=float("inf")), "optimizer.weight_decay: Input should be a finite number"),
+        (_with("model", norm_eps=float("inf")), "model.norm_eps: Input should be a finite number"),
+        (_with("optimizer", betas=[0.9, 1.0]), "optimizer.betas [0.9, 1.0] must each be in [0, 1)"),
+        (_with("optimizer", betas=[-0.5, 0.9]), "optimizer.betas"),
+        ({"seed": -1}, "seed: Input should be greater than or equal to 0"),
+        ({"seed": 2**64}, "seed: Input should be less than"),
+        (_with("model", vocab_size=10**12), "model.vocab_size: Input should be less than or equal to"),
+        (_with("batch", microbatch_size=10**9), "batch.microbatch_size"),
+        (_with("model", d_model=2**18, n_heads=2**10, n_kv_heads=2**10, ffn_dim=2**18, n_layers=4,
+               vocab_size=2**24), "beyond any machine"),
+    ],
+)
+def test_manifest_refuses_what_cannot_train_naming_the_field(change, needle):
+    _assert_manifest_error(change, needle)
+
+
+def test_a_stage_larger_than_the_machine_is_refused_before_it_is_allocated(tmp_path):
+    """``agora train-local`` (and ``agora node``, via ``roles.check_memory``) compare the stage's memory needs
+    with what the machine has before building anything."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from agora.model import stage_memory_bytes
+    from agora.roles import check_memory
+    from agora.net.dht import JoinError
+
+    big = load_manifest("agora-8b")
+    assert stage_memory_bytes(big, 0) > 16 * 2**30  # an 8B model's head stage in fp32 with AdamW: > 16 GiB
+    assert stage_memory_bytes(load_manifest("tiny"), 0) < 2**30
+    if stage_memory_bytes(big) > psutil.virtual_memory().available:
+        proc = subprocess.run([sys.executable, "-m", "agora.cli", "train-local", "--manifest", "agora-8b",
+                               "--steps", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+        said = " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines
+        assert proc.returncode == 2 and "GiB of memory" in said and "available" in said, said
+        with pytest.raises(JoinError, match="GiB of memory"):
+            check_memory(big, 5)
+    check_memory(load_manifest("tiny"), 0)  # fits: no error

@@ -303,6 +303,26 @@ def count_parameters(manifest: Manifest) -> dict[str, int]:
     return {"per_stage": per_stage, "total": sum(per_stage)}
 
 
+# Training bytes per fp32 parameter: the weight, its gradient, AdamW's two moments and the weight snapshot that
+# microbatches in flight run on (``server/runtime.py``).
+TRAIN_BYTES_PER_PARAMETER = 4 + 4 + 8 + 4
+
+
+def stage_memory_bytes(manifest: Manifest, stage: Optional[int] = None) -> int:
+    """A lower bound of the memory one stage (``None``: the whole model in one process, no weight snapshot) needs
+    to train, before activations: parameters with their gradients, optimizer moments and weight snapshot, plus the
+    subspace tables (the frozen embedding is built in float64)."""
+    shape, res = manifest.model, manifest.residual
+    counts = count_parameters(manifest)
+    if stage is None:
+        need = counts["total"] * (TRAIN_BYTES_PER_PARAMETER - 4)
+    else:
+        need = counts["per_stage"][stage] * TRAIN_BYTES_PER_PARAMETER
+    if res.mode == "subspace":
+        need += shape.vocab_size * shape.d_model * (4 + 8) + shape.d_model * res.k * 4
+    return need + 2 * shape.seq_len * shape.head_dim * 4
+
+
 def flops_per_token(manifest: Manifest) -> float:
     """Training FLOPs per token: 6 x (non-embedding-lookup parameters) + attention scores (Kaplan et al.)."""
     shape = manifest.model

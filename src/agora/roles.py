@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
-from agora.config import Manifest
 from agora.client.trainer import Trainer, TrainerOptions
+from agora.config import Manifest
 from agora.data import build_datasets
+from agora.model import stage_memory_bytes
 from agora.net.dht import (
     Endpoint,
     JoinError,
@@ -145,8 +146,19 @@ def _stage_to_serve(dht, manifest: Manifest, stage: str) -> int:
     return index
 
 
+def check_memory(manifest: Manifest, stage: int) -> None:
+    """Refuse, before allocating, a stage this machine cannot hold: an OOM kill says nothing to its owner."""
+    need, have = stage_memory_bytes(manifest, stage), psutil.virtual_memory().available
+    if need > have:
+        raise JoinError(f"stage {stage} needs at least {need / 2**30:.1f} GiB of memory (parameters, gradients, "
+                        f"optimizer moments, weight snapshot) but this machine has {have / 2**30:.1f} GiB available; "
+                        f"serve a smaller stage (--stage) or join a run with more stages", 2)
+    logger.info(f"stage {stage} needs at least {need / 2**30:.2f} GiB; {have / 2**30:.1f} GiB available")
+
+
 def _build_node(dht, manifest: Manifest, options: NodeOptions, run: NodeRun, host: str) -> StageNode:
     index = _stage_to_serve(dht, manifest, run.stage)
+    check_memory(manifest, index)
     node = StageNode(manifest, index, dht, options)
     if run.resume:
         saved = load_stage_checkpoint(run.resume, manifest, index)

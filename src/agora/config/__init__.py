@@ -23,18 +23,30 @@ class ManifestError(ValueError):
     """A manifest that cannot be used; the message names the field and the fix."""
 
 
+# Sizes past these are mistakes, not models: they overflow tensor sizes or memory long before they train. The
+# largest real configurations today are far below (vocab ~256k, d_model ~16k, ffn ~53k, context ~1M).
+MAX_VOCAB = 2**24
+MAX_WIDTH = 2**18  # d_model, ffn_dim
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+MAX_SEQ_LEN = 2**22
+MAX_BATCH = 2**20  # sequences in a microbatch or a step
+MAX_PARAMETERS = 10**13
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: ``lr: .inf`` or ``norm_eps: .nan`` parse as YAML floats but cannot train.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelShape(_Strict):
-    vocab_size: int = Field(gt=0)
-    d_model: int = Field(gt=0)
-    n_layers: int = Field(gt=0)
-    n_heads: int = Field(gt=0)
-    n_kv_heads: int = Field(gt=0)
-    ffn_dim: int = Field(gt=0)
-    seq_len: int = Field(gt=1)
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+    d_model: int = Field(gt=0, le=MAX_WIDTH)
+    n_layers: int = Field(gt=0, le=MAX_LAYERS)
+    n_heads: int = Field(gt=0, le=MAX_HEADS)
+    n_kv_heads: int = Field(gt=0, le=MAX_HEADS)
+    ffn_dim: int = Field(gt=0, le=MAX_WIDTH)
+    seq_len: int = Field(gt=1, le=MAX_SEQ_LEN)
     rope_theta: float = Field(default=10000.0, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0)
 
@@ -78,10 +90,18 @@ class OptimizerConfig(_Strict):
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     grad_clip: float = Field(default=1.0, gt=0)
 
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "OptimizerConfig":
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer.betas {list(self.betas)} must each be in [0, 1): they are decay rates of "
+                             f"moving averages (e.g. [0.9, 0.95])")
+        return self
+
 
 class BatchConfig(_Strict):
-    microbatch_size: int = Field(default=8, gt=0, description="sequences per microbatch")
-    target_batch_size: int = Field(default=32, gt=0, description="sequences per optimizer step, swarm-wide")
+    microbatch_size: int = Field(default=8, gt=0, le=MAX_BATCH, description="sequences per microbatch")
+    target_batch_size: int = Field(default=32, gt=0, le=MAX_BATCH,
+                                   description="sequences per optimizer step, swarm-wide")
 
     @model_validator(mode="after")
     def _divides(self) -> "BatchConfig":
@@ -156,7 +176,7 @@ class AveragingConfig(_Strict):
 
 class Manifest(_Strict):
     run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**63, description="every random draw of the run derives from it")
     model: ModelShape
     residual: Residual = Residual()
     stages: list[int] = Field(description="layers per pipeline stage, head first")
@@ -177,6 +197,9 @@ class Manifest(_Strict):
                 f"stages={self.stages} sum to {sum(self.stages)} layers but model.n_layers={self.model.n_layers}; "
                 f"make them add up (you have more stages than layers if this cannot work)"
             )
+        if _parameter_estimate(self) > MAX_PARAMETERS:
+            raise ValueError(f"model: about {_parameter_estimate(self):.2e} parameters (vocab_size, d_model, ffn_dim, "
+                             f"n_layers) is beyond any machine; check the sizes")
         if self.residual.mode == "subspace":
             if self.residual.k is None:
                 raise ValueError("residual.k is required when residual.mode is 'subspace' (try k = d_model / 64)")
@@ -224,6 +247,12 @@ class Manifest(_Strict):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _parameter_estimate(m: "Manifest") -> float:
+    """Rough parameter count from the shape (embedding, LM head, attention, MLP), in float: cannot overflow."""
+    d, v = float(m.model.d_model), float(m.model.vocab_size)
+    return 2 * v * d + m.model.n_layers * (4 * d * d + 3 * d * float(m.model.ffn_dim))
 
 
 def _format_error(err: ValidationError, source: str) -> str:
