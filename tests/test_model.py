@@ -32,7 +32,7 @@ def test_subspace_exact_after_every_stage():
     for stage in model.stages[:-1]:
         x = stage(x)
         err = relative_reconstruction_error(x, tokens, stage.basis, stage.frozen_embed)
-        assert err < 1e-5, err
+        assert err < 1e-6, err  # measured 1.6e-7 .. 5.6e-7 (tiny, small) in fp32 on CPU: exact up to rounding
 
 
 def test_unconstrained_write_breaks_exactness():
@@ -133,8 +133,9 @@ def test_hf_logits_match_and_weights_round_trip(tmp_path):
     import_state_dict(ours, hf.state_dict())
     tokens, _ = batch(man)
     with torch.no_grad():
-        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
-    assert diff < 1e-4, diff
+        ref, got = hf(tokens).logits, ours(tokens)
+    diff = (ref - got).abs().max().item()
+    assert diff < 1e-4 and diff / ref.abs().max().item() < 1e-5, diff  # absolute and relative to the logits' scale
     exported = export_state_dict(ours)
     hf_state = {k: v for k, v in hf.state_dict().items() if not k.endswith("inv_freq")}
     assert set(exported) == set(hf_state)

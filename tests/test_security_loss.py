@@ -21,8 +21,12 @@ def test_a_sign_flipping_head_hurts_the_model_unless_sentinel_bans_it(clean):
     assert clean["honest_banned"] == 0
     bare = train_under_attack("tiny", "sign_flip", 1.0, "fwd", steps=STEPS, defend=False)
     assert bare["val_loss"] > 1.03 * clean["val_loss"], (bare["val_loss"], clean["val_loss"])
+    assert bare["corrupt_used"] > 0 and bare["corrupt_dropped"] == 0, bare  # undefended: every corruption trains
     defended = train_under_attack("tiny", "sign_flip", 1.0, "fwd", steps=STEPS)
     assert defended["attacker_banned_at_step"] is not None
     assert defended["attacker_banned_at_step"] <= STEPS // 3 + 10
     assert defended["honest_banned"] == 0
     assert defended["val_loss"] <= 1.02 * clean["val_loss"], (defended["val_loss"], clean["val_loss"])
+    # What the defence let through before the ban is counted, and it is a small share of what the attacker sent.
+    assert defended["corrupt_dropped"] > 0, defended
+    assert defended["corrupt_used"] < 0.5 * bare["corrupt_used"], (defended, bare)
