@@ -27,6 +27,22 @@ PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, vendor datasheet
 LINKS_MBPS = (100.0, 1000.0)
 
 
+def uplink(is_head: bool, is_tail: bool, manifest, tokens: int, seconds: float) -> dict:
+    """Every byte one stage uploads per microbatch on its one uplink, and compute / link time per rate: a head
+    sends activations downstream; a body sends activations downstream *and* the gradient of its input upstream; a
+    tail sends only that gradient (coordinates' shape, no token ids)."""
+    shape = manifest.model
+    per_tok = bytes_per_token(shape.d_model, manifest.residual.mode, manifest.residual.k, "bf16")
+    up = (0 if is_tail else per_tok) + (0 if is_head else per_tok - 4)
+    res = {"wire_bytes_per_microbatch": (0 if is_tail else per_tok) * tokens,
+           "uplink_bytes_per_microbatch": up * tokens}
+    for mbps in LINKS_MBPS:
+        link_s = up * tokens * 8 / (mbps * 1e6)
+        res[f"link_s_at_{int(mbps)}mbps"] = round(link_s, 4)
+        res[f"compute_over_link_at_{int(mbps)}mbps"] = round(seconds / link_s, 2)
+    return res
+
+
 def timed(fn, warmup: int = 2, iters: int = 8) -> float:
     for _ in range(warmup):
         fn()
@@ -103,15 +119,8 @@ def bench_stage(manifest, index: int, batch: int) -> dict:
         "mfu_vs_datasheet": round(flops / seconds / 1e12 / PEAK_BF16_TFLOPS, 3), "build_s": round(build_s, 1),
         "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
     }
+    res.update(uplink(stage.spec.is_head, stage.spec.is_tail, manifest, batch * T, seconds))
     if not stage.spec.is_tail:
-        # What this stage sends per microbatch (coordinates + token ids), and how long a link needs for it.
-        per_tok = bytes_per_token(shape.d_model, manifest.residual.mode, manifest.residual.k, "bf16")
-        res["wire_bytes_per_microbatch"] = per_tok * batch * T
-        for mbps in LINKS_MBPS:
-            link_s = per_tok * batch * T * 8 / (mbps * 1e6)
-            # Forward sends activations, backward returns gradients of the same size: both directions carry it.
-            res[f"link_s_at_{int(mbps)}mbps"] = round(link_s, 4)
-            res[f"compute_over_link_at_{int(mbps)}mbps"] = round(seconds / link_s, 2)
         if stage.subspace:
             with torch.no_grad():
                 out = stage(inp.detach() if not stage.spec.is_head else inp).float()
