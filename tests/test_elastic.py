@@ -376,15 +376,16 @@ def test_restart_from_checkpoints_continues_training(tmp_path):
 
 
 def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behind(tmp_path):
-    """Real processes: every 8 s a serving stage peer is SIGKILLed (never the last of its stage) and a replacement
-    starts with ``--stage auto``. Training goes on, replicas end bit-identical, survivors leave gracefully and
+    """Real processes: every 8 s the main process of a serving stage peer is SIGKILLed (never the last of its
+    stage; only the main process, as the OOM killer does) and a replacement starts with ``--stage auto``. Training
+    goes on, replicas end bit-identical, the killed peers' helpers exit on their own, survivors leave gracefully and
     quickly, and no process of the run is left."""
     from agora.lab.demo import run_demo
 
     out = tmp_path / "chaos"
     try:
         summary = run_demo(preset="tiny", stages=2, replicas=2, steps=10**6, train_seconds=30, chaos=8.0, out=out,
-                           live=False, timeout=420, val_batches=2, measure_divergence=True)
+                           live=False, timeout=420, val_batches=2, measure_divergence=True, chaos_fault="kill-main")
     finally:
         time.sleep(1)
         leftovers = _processes_mentioning(str(out))
@@ -393,6 +394,7 @@ def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behi
     assert summary["finished"]
     kills = summary["chaos_kills"]
     assert len(kills) >= 2 and all(k["stage"] in (0, 1) for k in kills)
+    assert summary["chaos_fault"] == "kill-main" and summary["chaos_orphans"] == 0, summary["chaos_orphans"]
     mb = summary["microbatches"]
     assert mb["completed"] >= 20 and mb["submitted"] == mb["completed"] + mb["abandoned"]
     assert mb["abandoned"] <= mb["completed"] // 5, mb

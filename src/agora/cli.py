@@ -172,11 +172,18 @@ def bench_chaos(
     preset: str = typer.Option("small"),
     stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=2),
     kill_every: float = typer.Option(20.0, help="seconds between chaos kills"),
+    fault: str = typer.Option("kill", help="kill: a victim's process group; kill-main: its main process only, as "
+                                           "the OOM killer does (its orphaned helpers are counted)"),
 ) -> None:
     """Training under churn vs without: steps/min, kill-to-next-microbatch, stalls, abandoned work, loss, drift."""
     from agora.bench.chaos import ChaosBenchOptions, run
+    from agora.lab.demo import CHAOS_FAULTS
 
-    options = ChaosBenchOptions(minutes=minutes, preset=preset, stages=stages, replicas=replicas, kill_every=kill_every)
+    if fault not in CHAOS_FAULTS:
+        console.print(f"[red]error:[/red] --fault must be one of {', '.join(CHAOS_FAULTS)}, got {fault!r}")
+        raise typer.Exit(2)
+    options = ChaosBenchOptions(minutes=minutes, preset=preset, stages=stages, replicas=replicas, kill_every=kill_every,
+                                fault=fault)
     result = run(out, options, log=console.print)
     print(json.dumps(result["headline"], indent=2))
 
@@ -384,6 +391,8 @@ def demo(
     in_flight: int = typer.Option(2, help="microbatches each trainer keeps in flight"),
     chaos: Optional[float] = typer.Option(None, help="every SECONDS, SIGKILL a random stage peer and start a replacement"),
     chaos_last: bool = typer.Option(False, help="let chaos kill the last peer of a stage too"),
+    chaos_fault: str = typer.Option("kill", help="kill: SIGKILL a peer's process group; kill-main: only its main "
+                                                 "process, as the OOM killer does (orphans are counted)"),
     dashboard: bool = typer.Option(False, help="also serve the live dashboard"),
     dashboard_port: int = typer.Option(8080),
     timeout: float = typer.Option(1800.0, help="give up after this many seconds"),
@@ -403,9 +412,12 @@ def demo(
                                                        "settings, e.g. 'powersgd,rank=8' or 'sparse,every=5'"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
-    from agora.lab.demo import (ChaosOptions, DemoOptions, LinkOptions, NodeExtras, StopRule, SwarmShape,
-                                plan_links, run_demo)
+    from agora.lab.demo import (CHAOS_FAULTS, ChaosOptions, DemoOptions, LinkOptions, NodeExtras, StopRule,
+                                SwarmShape, plan_links, run_demo)
 
+    if chaos_fault not in CHAOS_FAULTS:
+        console.print(f"[red]error:[/red] --chaos-fault must be one of {', '.join(CHAOS_FAULTS)}, got {chaos_fault!r}")
+        raise typer.Exit(2)
     try:  # refuse a bad link setup with one line, before anything starts
         plan_links(link_mbps, link_latency_ms, link_backend)
     except (ValueError, RuntimeError) as err:
@@ -416,7 +428,7 @@ def demo(
         shape=SwarmShape(preset=preset, stages=stages, replicas=replicas, trainers=trainers, in_flight=in_flight,
                          threads=threads, residual=residual, averaging=averaging),
         stop=StopRule(steps=steps, timeout=timeout),
-        chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last),
+        chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last, fault=chaos_fault),
         link=LinkOptions(mbps=link_mbps, latency_ms=link_latency_ms, backend=link_backend),
         nodes=NodeExtras(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume),
         allow_list=allow_list, live=not no_live, dashboard_port=dashboard_port if dashboard else None,

@@ -106,7 +106,8 @@ def analyse(summary: dict) -> dict:
 @dataclass(frozen=True)
 class ChaosBenchOptions:
     """The swarm (``stages x replicas`` stage nodes of ``preset``, one trainer), how long the clean run trains
-    (``minutes``), how often chaos kills (``kill_every`` seconds), and the validation microbatches at the end."""
+    (``minutes``), how often chaos kills (``kill_every`` seconds) and how (``fault``), and the validation microbatches at
+    the end."""
 
     minutes: float = 5.0
     preset: str = "small"
@@ -114,6 +115,7 @@ class ChaosBenchOptions:
     replicas: int = 2
     kill_every: float = 20.0
     val_batches: int = 8
+    fault: str = "kill"  # "kill": a victim's process group; "kill-main": its main process only (orphans counted)
 
 
 def run(out: Path, options: Optional[ChaosBenchOptions] = None, log: Callable[[str], None] = print) -> dict:
@@ -128,14 +130,17 @@ def run(out: Path, options: Optional[ChaosBenchOptions] = None, log: Callable[[s
     budget = clean["tokens"]
     log(f"[chaos] chaos run: kill every {opts.kill_every:g}s until {budget} tokens")
     chaos_stop = StopRule(steps=10**9, tokens=budget, timeout=4 * opts.minutes * 60 + 900)
-    chaos = run_demo(_demo_options(opts, out / "chaos", chaos_stop, ChaosOptions(every_s=opts.kill_every)))
+    chaos = run_demo(_demo_options(opts, out / "chaos", chaos_stop,
+                                   ChaosOptions(every_s=opts.kill_every, fault=opts.fault)))
     a, b = analyse(clean), analyse(chaos)
     headline = _headline(a, b)
     goals = _goals(headline)
     md = _markdown(a, b, headline, goals)
+    md += (f"\nfault: {opts.fault}; helper processes of killed peers still alive 5 s after their main process "
+           f"died: {chaos['chaos_orphans']}\n")
     result = {"preset": opts.preset, "stages": opts.stages, "replicas": opts.replicas, "minutes": opts.minutes,
-              "kill_every_s": opts.kill_every, "clean": a, "chaos": b, "headline": headline, "goals": goals,
-              "kills": chaos["chaos_kills"]}
+              "kill_every_s": opts.kill_every, "fault": opts.fault, "clean": a, "chaos": b, "headline": headline,
+              "goals": goals, "kills": chaos["chaos_kills"], "orphans": chaos["chaos_orphans"]}
     write_result(out, "chaos", result, md)
     log(md)
     return result

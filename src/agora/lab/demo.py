@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import psutil
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -33,6 +34,9 @@ from agora.lab.demo_setup import (LINK_BACKENDS, LinkPlan, LocalAuthority, avera
                                   even_split, plan_links)
 from agora.lab.demo_summary import RunRecord, measure_replica_divergence, summarize, timeline_point
 from agora.lab.processes import Child, Swarm, read_json
+
+ORPHAN_GRACE_S = 5.0  # a killed peer's helpers must exit on their own within this
+CHAOS_FAULTS = ("kill", "kill-main")
 
 __all__ = [  # the setup and process classes stay importable from here, where callers have always found them
     "ChaosOptions", "Child", "DemoOptions", "DemoRun", "LINK_BACKENDS", "LinkOptions", "LinkPlan", "LocalAuthority",
@@ -81,11 +85,14 @@ class StopRule:
 @dataclass(frozen=True)
 class ChaosOptions:
     """Every ``every_s`` seconds (None: never) SIGKILL a random serving stage peer and start a replacement with
-    ``--stage auto``; the last serving peer of a stage only with ``kill_last``. ``seed`` picks the victims."""
+    ``--stage auto``; the last serving peer of a stage only with ``kill_last``. ``seed`` picks the victims.
+    ``fault``: "kill" SIGKILLs the victim's whole process group; "kill-main" only its main process (as the OOM
+    killer does), and the summary counts its helper processes still alive 5 s later (``chaos_orphans``)."""
 
     every_s: Optional[float] = None
     kill_last: bool = False
     seed: int = 0
+    fault: str = "kill"
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,7 @@ _FLAT_NAMES = {  # run_demo's flat keyword -> (group, attribute)
     **{name: ("nodes", name) for name in ("checkpoint_dir", "checkpoint_every", "resume")},
     "node_args": ("nodes", "args"),
     "chaos": ("chaos", "every_s"), "chaos_last": ("chaos", "kill_last"), "seed": ("chaos", "seed"),
+    "chaos_fault": ("chaos", "fault"),
     "link_mbps": ("link", "mbps"), "link_latency_ms": ("link", "latency_ms"), "link_backend": ("link", "backend"),
 }
 
@@ -188,6 +196,7 @@ class DemoRun:
         self.plan = plan_links(link.mbps, link.latency_ms, link.backend)
         console.print(self.plan.describe())
         self.rng = random.Random(options.chaos.seed)
+        self.killed_helpers: list[tuple[list, float]] = []  # (helpers of a kill-main victim, when they must be gone)
         self.record = RunRecord(t0=time.time())
         self.topology: Optional[netem.NetnsTopology] = None
         self.observer: Optional[netem.NetnsPeer] = None  # the namespace of the demo's own DHT client (netns)
@@ -299,7 +308,10 @@ class DemoRun:
         if not candidates:
             return
         victim, peer_id, stage = self.rng.choice(candidates)
-        victim.kill_group()
+        if self.options.chaos.fault == "kill-main":
+            self.killed_helpers.append((victim.kill_main(), time.monotonic() + ORPHAN_GRACE_S))
+        else:
+            victim.kill_group()
         replacement = self.swarm.start_node(None)
         t = time.time() - self.record.t0
         self.record.events.append(f"{t:.0f}s: chaos killed {victim.name} (stage {stage}); started "
@@ -329,6 +341,21 @@ class DemoRun:
             if self.topology is not None:
                 self.topology.teardown()
 
+    def count_orphans(self) -> int:
+        """Helpers of ``kill-main`` victims still alive ``ORPHAN_GRACE_S`` after their main process died (they are
+        then killed, by PID, so the demo leaves nothing behind)."""
+        orphans = 0
+        for helpers, deadline in self.killed_helpers:
+            _, alive = psutil.wait_procs(helpers, timeout=max(0.0, deadline - time.monotonic()))
+            orphans += len(alive)
+            for proc in alive:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+        self.killed_helpers.clear()
+        return orphans
+
     def write_summary(self) -> dict:
         """``summary.json`` and ``report.html`` in the output folder; returns the summary."""
         from agora.lab.report import write_swarm_report
@@ -339,6 +366,8 @@ class DemoRun:
         summary["finished"] = record.finished
         summary["train_started_s"] = record.train_started_s
         summary["replica_divergence"] = record.divergence
+        summary["chaos_fault"] = self.options.chaos.fault
+        summary["chaos_orphans"] = self.count_orphans()
         summary["link"] = self.plan.as_dict() | self._link_placement()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         write_swarm_report(summary, self.out)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import psutil
 from rich.console import Console
 
 from agora.lab import netem
@@ -55,6 +56,22 @@ class Child:
                 os.kill(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def kill_main(self) -> list:
+        """SIGKILL the child's main process only, as the OOM killer does; returns its helper processes (hivemind's
+        DHT/averager processes, p2pd) as they were just before, so the caller can check they exit on their own."""
+        try:
+            helpers = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            helpers = []
+        if self.exit is None and self.alive:
+            self.exit = {"graceful": False, "seconds": None}
+        self.signal(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        return helpers
 
     def kill_group(self) -> None:
         """SIGKILL the child's whole session (its hivemind DHT/averager processes and p2pd included)."""
