@@ -124,17 +124,11 @@ def train_local_cmd(
     """Centralized baseline: train the whole model in this process; writes summary.json, loss.png, report.html."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    import psutil
-
     from agora.lab.train_local import train_local
-    from agora.model import stage_memory_bytes
+    from agora.roles import check_memory
 
     m = _manifest(manifest)
-    need, have = stage_memory_bytes(m), psutil.virtual_memory().available
-    if need > have:  # refuse before allocating: an OOM kill explains nothing
-        console.print(f"[red]error:[/red] the whole model needs at least {need / 2**30:.1f} GiB of memory to train "
-                      f"but this machine has {have / 2**30:.1f} GiB available; choose a smaller manifest")
-        raise typer.Exit(2)
+    _join_errors(lambda: check_memory(m, None))  # refuse before allocating: an OOM kill explains nothing
     with Progress(
         TextColumn("[bold]train-local"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),

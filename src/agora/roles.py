@@ -14,7 +14,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -146,14 +146,17 @@ def _stage_to_serve(dht, manifest: Manifest, stage: str) -> int:
     return index
 
 
-def check_memory(manifest: Manifest, stage: int) -> None:
-    """Refuse, before allocating, a stage this machine cannot hold: an OOM kill says nothing to its owner."""
+def check_memory(manifest: Manifest, stage: Optional[int]) -> None:
+    """Refuse, before allocating, a stage (``None``: the whole model, ``train-local``) this machine cannot hold: an
+    OOM kill says nothing to its owner."""
+    what = "the whole model" if stage is None else f"stage {stage}"
     need, have = stage_memory_bytes(manifest, stage), psutil.virtual_memory().available
     if need > have:
-        raise JoinError(f"stage {stage} needs at least {need / 2**30:.1f} GiB of memory (parameters, gradients, "
-                        f"optimizer moments, weight snapshot) but this machine has {have / 2**30:.1f} GiB available; "
-                        f"serve a smaller stage (--stage) or join a run with more stages", 2)
-    logger.info(f"stage {stage} needs at least {need / 2**30:.2f} GiB; {have / 2**30:.1f} GiB available")
+        fix = ("choose a smaller manifest" if stage is None
+               else "serve a smaller stage (--stage) or join a run with more stages")
+        raise JoinError(f"{what} needs at least {need / 2**30:.1f} GiB of memory (parameters, gradients, optimizer "
+                        f"moments) but this machine has {have / 2**30:.1f} GiB available; {fix}", 2)
+    logger.info(f"{what} needs at least {need / 2**30:.2f} GiB; {have / 2**30:.1f} GiB available")
 
 
 def _build_node(dht, manifest: Manifest, options: NodeOptions, run: NodeRun, host: str) -> StageNode:
@@ -271,8 +274,9 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endp
     run = run or TrainerRun()
     train, val, _ = build_datasets(manifest)
     shard = train.shard(manifest.seed, *run.shard)
-    dht = make_dht(initial_peers, Endpoint(host=endpoint.host, port=endpoint.port, identity=endpoint.identity,
-                                           certificate=endpoint.certificate), manifest=manifest, client_mode=True)
+    # A trainer is a client: it announces no address for others to dial.
+    dht = make_dht(initial_peers, replace(endpoint, announce_host=None), manifest=manifest,
+                   client_mode=True)
     t0 = time.time()
     exit_through_finally_on_sigterm()
     try:

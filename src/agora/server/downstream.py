@@ -54,7 +54,7 @@ class Downstream:
                  hooks: DownstreamHooks):
         self.manifest, self.stage_index, self.dht = manifest, stage_index, dht
         self.next_stage = stage_index + 1
-        self.counters, self.hooks = hooks.counters, hooks
+        self.hooks = hooks
         self.records: list[StageRecord] = []
         self.router = Router(p2p, manifest.run_id, self.next_stage, self, options, stats=hooks.stats, acks=hooks.acks)
 
@@ -99,7 +99,7 @@ class Downstream:
             return not flagged
 
         def count_failure() -> None:
-            self.counters.retried += 1  # every failed or refused attempt (the node's record counts them so)
+            self.hooks.counters.retried += 1  # every failed or refused attempt (the node's record counts them so)
 
         _, reply = await self.router.call(down_meta, tensors, stopped=self.hooks.is_leaving, accept=accept,
                                           on_failure=count_failure)

@@ -13,6 +13,7 @@ gradient is then moved to the live parameters. ``version`` counts every change o
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,7 +219,7 @@ class StageRuntime:
         return self.filtered("bwd", pending.leaf.grad.to(self.wire_dtype))
 
     def record_loss(self, loss: float) -> None:
-        self.loss_ema = loss if self.loss_ema != self.loss_ema else 0.9 * self.loss_ema + 0.1 * loss
+        self.loss_ema = loss if math.isnan(self.loss_ema) else 0.9 * self.loss_ema + 0.1 * loss
 
     # ------------------------------------------------------------------ audits (SENTINEL)
     def recompute_head(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
