@@ -20,7 +20,8 @@ OPTS = NodeOptions(stall_step_s=1e9, sentinel=True, audit_rate=1.0)
 
 async def _train_until_banned(p2p, heads: list, auditor, attacker, microbatches: int, seed: int) -> None:
     """Send training microbatches to ``heads`` in turn, letting ``auditor``'s audits finish after each, until it
-    banned ``attacker`` or ``microbatches`` were sent."""
+    banned ``attacker`` or ``microbatches`` were sent. (A head routes each to the tail it expects to finish first,
+    so how many reach the attacker is up to routing: the cap is generous and the loop ends at the ban.)"""
     meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 0, "train": True}
     gen = torch.Generator().manual_seed(seed)
     for i in range(microbatches):
@@ -45,7 +46,7 @@ def test_a_tail_adding_faint_noise_is_banned_by_audits_and_honest_tails_are_not(
             head, attacker = nodes[0], nodes[3]
             install_attack(attacker, "gaussian:0.1@bwd")
             await wait_until(lambda: len(head.downstream.records) == 3, 30, "the head to see three tails")
-            await _train_until_banned(await boot.replicate_p2p(), [head], head, attacker, 40, seed=0)
+            await _train_until_banned(await boot.replicate_p2p(), [head], head, attacker, 150, seed=0)
             served = {n.peer_id[-8:]: n.counters.forward for n in nodes[1:]}
             return (head.sentinel.banned_peers(), attacker.peer_id, {n.peer_id for n in nodes[1:3]},
                     head.sentinel.summary(), served)
@@ -65,7 +66,7 @@ def test_a_head_adding_faint_noise_to_its_activations_is_banned_by_the_tails_aud
         async with local_swarm(MAN, [1, 0, 0, 0], OPTS) as (boot, peers, nodes):
             tail, heads, attacker = nodes[0], nodes[1:], nodes[3]
             install_attack(attacker, "gaussian:0.1@fwd")
-            await _train_until_banned(await boot.replicate_p2p(), heads, tail, attacker, 30, seed=1)
+            await _train_until_banned(await boot.replicate_p2p(), heads, tail, attacker, 100, seed=1)
             return tail.sentinel.banned_peers(), attacker.peer_id, {h.peer_id for h in heads[:2]}, tail.sentinel.summary()
 
     banned, attacker, honest, summary = asyncio.run(main())

@@ -99,6 +99,7 @@ class StageRuntime:
         self.samples = 0  # samples whose gradients sit in .grad, waiting for the next step
         self.last_sample_time = time.monotonic()
         self.throughput = 0.0  # tokens/s of compute, EMA
+        self.measured = 0  # microbatches measured since activation (the first is a cold start and not counted)
         self.loss_ema = float("nan")
         self.wire_dtype = WIRE_DTYPES[manifest.residual.wire_dtype]
         self.fingerprint_at: Callable[[int], Optional[float]] = lambda step: None
@@ -116,6 +117,7 @@ class StageRuntime:
             p.grad = None
         self.samples = 0
         self.throughput = 0.0
+        self.measured = 0
         self.loss_ema = float("nan")
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
 
@@ -256,7 +258,14 @@ class StageRuntime:
 
         Per microbatch, not per call: averaging a fast forward's rate with a slow backward's would overstate every
         stage but the tail (whose forward includes the backward), and routing and rebalancing compare stages.
+
+        The first microbatch is not counted: it pays for cold caches and allocations, and a peer published as slow
+        after it would not be picked again by a client that always takes the earliest finish (its measurement
+        would never be corrected). Unmeasured, it stays scored at the best measured rate, so it gets a second job.
         """
+        self.measured += 1
+        if self.measured == 1:
+            return
         if seconds > 0:
             rate = n_tokens / seconds
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
