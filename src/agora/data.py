@@ -338,7 +338,7 @@ def _resolve_tokenizer(data: DataConfig, vocab_size: int, train_docs: Sequence[D
     if data.tokenizer == "bpe":
         tok = _cached_bpe(train_docs, vocab_size, data.max_documents)
     else:
-        tok = _load_user_tokenizer(data.tokenizer)
+        tok = _load_user_tokenizer(data.tokenizer, data.resolve(data.tokenizer))
     if tok.get_vocab_size() > vocab_size:
         raise DataError(
             f"tokenizer {data.tokenizer!r} has {tok.get_vocab_size()} tokens but model.vocab_size is {vocab_size}; "
@@ -348,8 +348,7 @@ def _resolve_tokenizer(data: DataConfig, vocab_size: int, train_docs: Sequence[D
     return tok
 
 
-def _load_user_tokenizer(spec: str) -> Tokenizer:
-    path = Path(spec).expanduser()
+def _load_user_tokenizer(spec: str, path: Path) -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -38,16 +39,30 @@ def export_state_dict(stages: list[Stage] | PipelineModel) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for stage in stages:
         for name, tensor in stage.state_dict().items():
+            if name == "lm_head.weight" and stage.shape.tie_embeddings:
+                continue  # tied: HF stores the embedding only (the tail's copy is checked by the exporter)
             out[_to_hf(name)] = tensor.detach().clone()
     return out
 
 
-def import_state_dict(stages: list[Stage] | PipelineModel, state: dict[str, Tensor]) -> None:
-    """Load an HF Llama state dict into stages; each stage takes only its own tensors. Strict about coverage."""
+def import_state_dict(stages: list[Stage] | PipelineModel, state: dict[str, Tensor], *, every_tensor: bool = True,
+                      dense_only: bool = True) -> set[str]:
+    """Load an HF Llama state dict into stages; each stage takes only its own tensors, all of them. Returns the
+    names used (ours). ``every_tensor``: also refuse tensors no stage took (off when loading some of the stages);
+    ``dense_only=False`` lets agora's own single-file format, which uses the same names, load subspace models."""
     stages = list(stages.stages) if isinstance(stages, PipelineModel) else stages
-    _require_dense_stages(stages)
+    if dense_only:
+        _require_dense_stages(stages)
     ours = {_from_hf(k): v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     used: set[str] = set()
+    if stages and stages[0].shape.tie_embeddings and "embed_tokens.weight" in ours:
+        # Tied: the tail's LM head is the embedding. HF state dicts of tied models may list lm_head.weight too;
+        # it must then be the same matrix.
+        if "lm_head.weight" in ours and not torch.equal(ours["lm_head.weight"], ours["embed_tokens.weight"]):
+            raise ValueError("the model is tied (tie_embeddings) but the checkpoint's lm_head.weight differs from "
+                             "its embed_tokens.weight")
+        ours["lm_head.weight"] = ours["embed_tokens.weight"]
+        used.add("lm_head.weight")
     for stage in stages:
         own = stage.state_dict()
         missing = [k for k in own if k not in ours]
@@ -59,8 +74,9 @@ def import_state_dict(stages: list[Stage] | PipelineModel, state: dict[str, Tens
         stage.load_state_dict({k: ours[k] for k in own})
         used.update(own)
     extra = sorted(set(ours) - used)
-    if extra:
+    if extra and every_tensor:
         raise KeyError(f"checkpoint has tensors the model does not: {extra[:5]}")
+    return used
 
 
 def _require_dense_stages(stages: list[Stage]) -> None:
@@ -90,7 +106,7 @@ def hf_config_kwargs(manifest: Manifest) -> dict:
         max_position_embeddings=m.seq_len,
         rope_theta=m.rope_theta,
         rms_norm_eps=m.norm_eps,
-        tie_word_embeddings=False,
+        tie_word_embeddings=m.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
         hidden_act="silu",

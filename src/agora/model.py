@@ -14,6 +14,9 @@ Two residual modes:
 Stages are built independently (a peer only ever materialises its own stage), so every parameter is initialised
 from a generator seeded by (run seed, global parameter name): a stage built alone is bit-identical to the same
 slice of a full model.
+
+For decoding, ``Stage.forward(x, cache)`` takes only the new positions and keeps their keys and values in that
+stage's ``KVCache``; without a cache the forward is the training one, unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -106,16 +109,32 @@ class Attention(nn.Module):
         # out_dim is d (dense write) or k (subspace write, lifted by U^T outside).
         self.o_proj = nn.Linear(self.n_heads * self.hd, out_dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Optional["LayerKV"] = None) -> Tensor:
+        """``x`` holds positions 0..t-1, or with ``kv`` the t positions after the ones already cached."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask, causal = None, True
+        if kv is not None:
+            k, v = kv.update(k, v)  # now every position so far, [B, n_kv, past + t, hd]
+            mask, causal = _chunk_mask(t, k.shape[2], x.device)
         rep = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+
+
+def _chunk_mask(t: int, total: int, device: torch.device) -> tuple[Optional[Tensor], bool]:
+    """Mask for t new queries at the end of ``total`` keys: query i (absolute position total - t + i) sees keys
+    0..total - t + i. SDPA's ``is_causal`` aligns the triangle top-left, which is right only without a past."""
+    if t == total:
+        return None, True
+    if t == 1:
+        return None, False  # the newest position sees everything cached
+    past = total - t
+    return torch.ones(t, total, dtype=torch.bool, device=device).tril(diagonal=past), False
 
 
 class MLP(nn.Module):
@@ -148,9 +167,130 @@ class Block(nn.Module):
             return x + update
         return x + self.branch_norm(update) @ basis.T
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, basis: Optional[Tensor]) -> Tensor:
-        x = self._write(x, self.self_attn(self.input_layernorm(x), cos, sin), basis)
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, basis: Optional[Tensor], kv: Optional["LayerKV"] = None
+    ) -> Tensor:
+        x = self._write(x, self.self_attn(self.input_layernorm(x), cos, sin, kv), basis)
         return self._write(x, self.mlp(self.post_attention_layernorm(x)), basis)
+
+
+# --------------------------------------------------------------------------- KV cache for incremental decoding
+
+
+class KVCache:
+    """One stage's keys and values for a batch of sequences, so that decoding feeds only the new positions.
+
+    Self-contained and per stage: a server can keep one per session, and ``nbytes`` is all it holds. Buffers are
+    allocated up front for ``capacity`` positions, so memory never grows past what a cap admitted. Keys are stored
+    after RoPE and before grouped-query repetition, [B, n_kv_heads, capacity, head_dim] per layer.
+
+    ``Stage.forward`` writes the new positions into every layer and advances ``length`` only after the last one, so
+    a forward that fails halfway leaves the cache as it was and the same chunk can simply be sent again. The same
+    holds in subspace mode: the layers see the rebuilt residual stream, the cache is no different.
+    Inference only: use it under ``torch.no_grad()`` (a graph through the buffers would outlive the step).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[str],
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        if batch_size < 1 or capacity < 1:
+            raise ValueError(f"a KV cache needs batch_size >= 1 and capacity >= 1, got {batch_size} and {capacity}")
+        self.layers = tuple(layers)
+        self.batch_size, self.capacity = batch_size, capacity
+        self.length = 0  # positions cached so far, the same in every layer
+        size = (batch_size, n_kv_heads, capacity, head_dim)
+        self.keys = {n: torch.zeros(size, dtype=dtype, device=device) for n in self.layers}
+        self.values = {n: torch.zeros(size, dtype=dtype, device=device) for n in self.layers}
+
+    @classmethod
+    def for_stage(
+        cls,
+        stage: "Stage",
+        batch_size: int = 1,
+        capacity: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: torch.device | str | None = None,
+    ) -> "KVCache":
+        """A cache shaped for ``stage``; capacity defaults to the model's seq_len, dtype/device to its weights'."""
+        shape = stage.shape
+        capacity = shape.seq_len if capacity is None else capacity
+        if capacity > shape.seq_len:
+            raise ValueError(f"KV cache capacity {capacity} exceeds the model's seq_len {shape.seq_len}")
+        weight = next(stage.parameters())
+        return cls(
+            list(stage.layers),
+            batch_size,
+            shape.n_kv_heads,
+            shape.head_dim,
+            capacity,
+            dtype or weight.dtype,
+            device or weight.device,
+        )
+
+    @staticmethod
+    def nbytes_for(
+        shape: ModelShape, n_layers: int, batch_size: int, capacity: int, dtype: torch.dtype = torch.float32
+    ) -> int:
+        """Bytes a cache of these dimensions holds, before allocating it (for admission control)."""
+        per_layer = 2 * batch_size * shape.n_kv_heads * capacity * shape.head_dim
+        return n_layers * per_layer * (torch.finfo(dtype).bits // 8)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.keys.values(), *self.values.values()])
+
+    def layer(self, name: str) -> "LayerKV":
+        return LayerKV(self, name)
+
+    def check_room(self, batch_size: int, t: int) -> None:
+        """Raise unless ``t`` more positions of ``batch_size`` sequences fit."""
+        if t < 1:
+            raise ValueError("nothing to decode: the input holds no positions")
+        if batch_size != self.batch_size:
+            raise ValueError(f"KV cache holds {self.batch_size} sequences but the input has {batch_size}")
+        if self.length + t > self.capacity:
+            raise ValueError(
+                f"KV cache is full: it holds {self.length} of {self.capacity} positions, {t} more do not fit"
+            )
+
+    def advance(self, t: int) -> None:
+        """Mark ``t`` positions written by every layer as cached (``Stage.forward`` calls this at its end)."""
+        self.length += t
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on (0: start a new sequence; the buffers are kept)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of {self.length} positions to {length}")
+        self.length = length
+
+
+class LayerKV:
+    """One layer's view of a ``KVCache``: stores the new keys/values after the cached ones and returns them all."""
+
+    def __init__(self, cache: KVCache, name: str):
+        self.cache, self.name = cache, name
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = self.cache.keys[self.name], self.cache.values[self.name]
+        if k.requires_grad or v.requires_grad:
+            raise RuntimeError("the KV cache is for inference: run the stage under torch.no_grad()")
+        if k.dtype != keys.dtype or k.device != keys.device:
+            raise ValueError(
+                f"KV cache holds {keys.dtype} on {keys.device} but layer {self.name} made {k.dtype} on {k.device}:"
+                " build the cache with the dtype and device the stage computes in"
+            )
+        start = self.cache.length
+        end = start + k.shape[2]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
 
 
 # --------------------------------------------------------------------------- a stage
@@ -204,6 +344,8 @@ class Stage(nn.Module):
         if self.spec.is_tail:
             self.norm = RMSNorm(shape.d_model, shape.norm_eps)
             self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+            if shape.tie_embeddings and self.spec.is_head:
+                self.lm_head.weight = self.embed_tokens.weight  # one stage holds both ends: one matrix
         cos, sin = rope_tables(shape.head_dim, shape.seq_len, shape.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -221,6 +363,8 @@ class Stage(nn.Module):
             std = 0.02
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2 style scaled init for residual writes
+            if name == "lm_head.weight" and self.shape.tie_embeddings:
+                name = "embed_tokens.weight"  # the tail's copy of a tied embedding starts equal to the head's
             p.copy_(seeded_randn(tuple(p.shape), seed, name, std))
 
     # ------------------------------------------------------------------ compute
@@ -231,8 +375,14 @@ class Stage(nn.Module):
             return self.frozen_embed[tokens] + self.embed_tokens(tokens) @ self.basis.T
         return self.embed_tokens(tokens)
 
-    def forward(self, x_or_tokens: Tensor) -> Tensor:
-        """Residual stream in -> residual stream out. The head stage takes token ids [B, T] instead."""
+    def forward(self, x_or_tokens: Tensor, cache: Optional[KVCache] = None) -> Tensor:
+        """Residual stream in -> residual stream out. The head stage takes token ids [B, T] instead.
+
+        With ``cache`` the input holds only the positions after the ``cache.length`` already cached (a prompt
+        chunk, or one token); they attend to the cached ones and are appended to the cache.
+        """
+        if cache is not None:
+            return self._forward_cached(x_or_tokens, cache)
         x = self.embed(x_or_tokens) if self.spec.is_head else x_or_tokens
         t = x.shape[1]
         if t > self.shape.seq_len:
@@ -240,6 +390,26 @@ class Stage(nn.Module):
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for block in self.layers.values():
             x = block(x, cos, sin, self.basis if block.subspace else None)
+        return x
+
+    def _forward_cached(self, x_or_tokens: Tensor, cache: KVCache) -> Tensor:
+        if cache.layers != tuple(self.layers):
+            raise ValueError(
+                f"this KV cache holds layers {list(cache.layers)}, stage {self.spec.index} has {list(self.layers)}"
+            )
+        b, t = x_or_tokens.shape[:2]
+        start = cache.length
+        if start + t > self.shape.seq_len:
+            raise ValueError(
+                f"decoding past seq_len: {start} positions are cached and {t} more would make {start + t}, "
+                f"beyond the model's seq_len {self.shape.seq_len}"
+            )
+        cache.check_room(b, t)
+        x = self.embed(x_or_tokens) if self.spec.is_head else x_or_tokens
+        cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
+        for name, block in self.layers.items():
+            x = block(x, cos, sin, self.basis if block.subspace else None, cache.layer(name))
+        cache.advance(t)
         return x
 
     def logits(self, x: Tensor) -> Tensor:
@@ -266,6 +436,11 @@ class PipelineModel(nn.Module):
         super().__init__()
         self.manifest = manifest
         self.stages = nn.ModuleList(build_stages(manifest))
+        head, tail = self.stages[0], self.stages[-1]
+        if manifest.model.tie_embeddings and head is not tail:
+            # In one process a tied model is truly tied: the tail's copy is dropped for the head's matrix, so
+            # both ends' gradients land in one tensor (in a swarm each end keeps its own copy, ARCHITECTURE.md).
+            tail.lm_head.weight = head.embed_tokens.weight
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = tokens
@@ -297,10 +472,15 @@ def count_parameters(manifest: Manifest) -> dict[str, int]:
         n = block * manifest.stages[s]
         if s == 0:
             n += shape.vocab_size * (res.k if res.mode == "subspace" else d)
-        if tail:
+        if tail and not (shape.tie_embeddings and s == 0):
             n += d + shape.vocab_size * d
+        elif tail:
+            n += d
         per_stage.append(n)
-    return {"per_stage": per_stage, "total": sum(per_stage)}
+    total = sum(per_stage)
+    if shape.tie_embeddings and manifest.n_stages > 1:
+        total -= shape.vocab_size * d  # the tail's copy of the embedding is the same parameter, counted once
+    return {"per_stage": per_stage, "total": total}
 
 
 # Training bytes per fp32 parameter: the weight, its gradient, AdamW's two moments and the weight snapshot that
@@ -328,5 +508,7 @@ def flops_per_token(manifest: Manifest) -> float:
     shape = manifest.model
     params = count_parameters(manifest)["total"]
     lookup = shape.vocab_size * (manifest.residual.k if manifest.residual.mode == "subspace" else shape.d_model)
+    if shape.tie_embeddings:
+        lookup = 0  # the one shared matrix is counted once, and as the LM head it does multiply
     attention = 6 * shape.n_layers * shape.seq_len * shape.d_model  # QK^T and AV, forward + backward, causal avg
     return 6.0 * (params - lookup) + attention

@@ -302,3 +302,73 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endp
         return 0
     finally:
         dht.shutdown()
+
+
+# --------------------------------------------------------------------------- reading a live swarm's model
+
+
+def download_stages(manifest: Manifest, initial_peers: Sequence[str], timeout: float) -> tuple[list, dict[int, int]]:
+    """One replica of every stage of a live swarm (``get_state``), the most advanced serving replica first and
+    the next one tried when a download fails: (stages, step of each). Raises ValueError naming a stage that no
+    serving peer could provide."""
+    dht = make_dht(initial_peers, client_mode=True, manifest=manifest, writes=False)
+    try:
+        return fetch_stages(dht, manifest, timeout)
+    finally:
+        dht.shutdown()
+
+
+def fetch_stages(dht, manifest: Manifest, timeout: float) -> tuple[list, dict[int, int]]:
+    """``download_stages`` through a DHT client this process already runs."""
+    from agora.ops.status import swarm_status
+
+    return asyncio.run(_download_stages(dht, manifest, swarm_status(dht, manifest), timeout))
+
+
+async def _download_stages(dht, manifest: Manifest, snap: dict, timeout: float) -> tuple[list, dict[int, int]]:
+    from agora.net import transport
+    from agora.net.state_transfer import fetch_state
+    from agora.ops.model_io import stage_from_state
+
+    p2p = await dht.replicate_p2p()
+    stages, steps = [], {}
+    for st in snap["stages"]:
+        index = st["stage"]
+        peers = sorted((p for p in st["peers"] if p["state"] == "serving"), key=lambda p: -p["step"])
+        if not peers:
+            raise ValueError(f"stage {index} has no serving peer in run {manifest.run_id}: nothing to download")
+        errors = []
+        for peer in peers:
+            meta = {"run_id": manifest.run_id, "manifest_hash": manifest.hash, "stage": index}
+            logger.info(f"downloading stage {index} from {peer['short_id']} (step {peer['step']})")
+            try:
+                reply, names, tensors = await fetch_state(p2p, peer["peer_id"], manifest.run_id, meta, timeout,
+                                                          params_only=True)
+            except transport.RpcError as err:
+                errors.append(f"{peer['short_id']}: {err}")
+                continue
+            stages.append(stage_from_state(manifest, index, names, tensors))
+            steps[index] = int(reply["step"])
+            break
+        else:
+            raise ValueError(f"stage {index}: every download failed ({'; '.join(errors)})")
+    return stages, steps
+
+
+def generate_through_swarm(manifest: Manifest, initial_peers: Sequence[str], prompt_ids: list[int],
+                           max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                           seed: Optional[int] = None) -> list[int]:
+    """The new token ids after ``prompt_ids``, computed by a live swarm's stages: one generation session pinned to
+    one peer per stage (``client.generation``). Raises ValueError for a request that cannot run (checked before
+    joining the DHT), ``client.generation.GenerationError`` (an ``RpcError`` naming the stage) when the swarm
+    cannot serve it."""
+    from agora.client.generation import check_request, generate_in_swarm
+
+    prompt = check_request(manifest, prompt_ids, max_new_tokens, temperature, top_p)
+    if max_new_tokens == 0:
+        return []
+    dht = make_dht(initial_peers, client_mode=True, manifest=manifest, writes=False)
+    try:
+        return asyncio.run(generate_in_swarm(manifest, dht, prompt, max_new_tokens, temperature, top_p, seed))
+    finally:
+        dht.shutdown()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 PRESETS = ("tiny", "small", "agora-8b")
 
@@ -49,6 +49,9 @@ class ModelShape(_Strict):
     seq_len: int = Field(gt=1, le=MAX_SEQ_LEN)
     rope_theta: float = Field(default=10000.0, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0)
+    tie_embeddings: bool = Field(
+        default=False, description="the LM head is the token embedding (dense mode only; most models under 3B)"
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelShape":
@@ -115,6 +118,16 @@ class DataConfig(_Strict):
     tokenizer: str = Field(default="bpe", description="'bpe' (trained locally, cached) or a path to tokenizer.json")
     val_fraction: float = Field(default=0.05, gt=0, lt=0.5)
     max_documents: Optional[int] = Field(default=None, gt=0, description="use only the first N documents")
+    # The folder of the manifest file this came from: relative paths are looked up there first, so a manifest
+    # written by `agora import` next to its tokenizer.json works from any working directory (and the path string,
+    # part of the hash, is the same on every machine).
+    _base_dir: Optional[Path] = PrivateAttr(default=None)
+
+    def resolve(self, spec: str) -> Path:
+        path = Path(spec).expanduser()
+        if not path.is_absolute() and self._base_dir is not None and (self._base_dir / path).exists():
+            return self._base_dir / path
+        return path
 
 
 class SecurityConfig(_Strict):
@@ -207,6 +220,9 @@ class Manifest(_Strict):
                 raise ValueError(
                     f"residual.k ({self.residual.k}) must be smaller than model.d_model ({self.model.d_model})"
                 )
+            if self.model.tie_embeddings:
+                raise ValueError("model.tie_embeddings needs residual.mode: dense (a subspace head embeds into k "
+                                 "coordinates, the LM head reads d_model: there is no one matrix to share)")
         return self
 
     # ------------------------------------------------------------------ derived facts
@@ -225,6 +241,8 @@ class Manifest(_Strict):
         data = self.model_dump(mode="json")
         if self.averaging == AveragingConfig():
             del data["averaging"]
+        if not self.model.tie_embeddings:
+            del data["model"]["tie_embeddings"]  # the field came later: untied manifests keep their hash
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
@@ -243,16 +261,26 @@ class Manifest(_Strict):
             if leaf not in node:
                 raise ManifestError(f"unknown manifest field {dotted!r}")
             node[leaf] = value
-        return parse_manifest(data, source="overrides")
+        out = parse_manifest(data, source="overrides")
+        out.data._base_dir = self.data._base_dir
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def even_split(n_layers: int, n_stages: int) -> list[int]:
+    """Layers per stage, as equal as possible; the first stages take one more when it does not divide."""
+    if n_stages > n_layers:
+        raise ValueError(f"{n_stages} stages is more than the model's {n_layers} layers")
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
 def _parameter_estimate(m: "Manifest") -> float:
     """Rough parameter count from the shape (embedding, LM head, attention, MLP), in float: cannot overflow."""
     d, v = float(m.model.d_model), float(m.model.vocab_size)
-    return 2 * v * d + m.model.n_layers * (4 * d * d + 3 * d * float(m.model.ffn_dim))
+    return (1 if m.model.tie_embeddings else 2) * v * d + m.model.n_layers * (4 * d * d + 3 * d * float(m.model.ffn_dim))
 
 
 def _format_error(err: ValidationError, source: str) -> str:
@@ -299,6 +327,8 @@ def load_manifest(path_or_preset: str | Path) -> Manifest:
     manifest = parse_manifest(data, source)
     if manifest.security.authority and raw is not None:
         check_manifest_signature(Path(name), manifest, raw)
+    if raw is not None:
+        manifest.data._base_dir = Path(name).resolve().parent
     return manifest
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import random
+import shutil
 import signal
 import threading
 import time
@@ -34,6 +36,8 @@ from agora.lab.demo_setup import (LINK_BACKENDS, LinkPlan, LocalAuthority, avera
                                   even_split, plan_links)
 from agora.lab.demo_summary import RunRecord, measure_replica_divergence, summarize, timeline_point
 from agora.lab.processes import Child, Swarm, read_json
+
+logger = logging.getLogger("agora.demo")
 
 ORPHAN_GRACE_S = 5.0  # a killed peer's helpers must exit on their own within this
 CHAOS_FAULTS = ("kill", "kill-main")
@@ -142,6 +146,8 @@ class DemoOptions:
     live: bool = True
     dashboard_port: Optional[int] = None
     on_tick: Optional[Callable[[dict], None]] = None
+    sample_prompt: str = "The state of the Union is"
+    sample_tokens: int = 24  # after training: export the model to OUT/model and continue sample_prompt (0: skip)
 
     @classmethod
     def from_flat(cls, **settings: Any) -> "DemoOptions":
@@ -326,6 +332,32 @@ class DemoRun:
         elif self.options.measure_divergence:
             self.swarm.stop(self.swarm.trainers(), 90)
             self.record.divergence = measure_replica_divergence(self.dht, self.manifest)
+        if self.record.finished and self.options.sample_tokens > 0:
+            self.record.sample = self.sample_model()
+
+    def sample_model(self) -> dict:
+        """Download one replica of every stage, write the model to ``OUT/model`` (``agora eval`` and ``agora
+        generate`` load it) and let it continue ``sample_prompt`` greedily. A failure is reported, not raised: the
+        training run itself succeeded."""
+        from agora.inference import generate
+        from agora.ops.model_io import export_model, merge_stages, run_tokenizer
+        from agora.roles import fetch_stages
+
+        prompt = self.options.sample_prompt
+        try:
+            stages, steps = fetch_stages(self.dht, self.manifest, timeout=60.0)
+            model = merge_stages(self.manifest, stages)
+            tokenizer = run_tokenizer(self.manifest)
+            export_model(model, self.out / "model", tokenizer, note=f"demo run {self.manifest.run_id}, steps {steps}")
+            ids = tokenizer.encode(prompt).ids
+            room = self.manifest.model.seq_len - len(ids)
+            new = generate(model, ids, max(0, min(self.options.sample_tokens, room)), eos_id=None)
+        except Exception as err:  # noqa: BLE001 - any failure here is reported in the summary, not fatal
+            logger.warning(f"could not sample the trained model: {err!r}")
+            return {"error": repr(err)}
+        text = tokenizer.decode(new)
+        self.record.events.append(f"sample: {prompt!r} -> {text!r}")
+        return {"prompt": prompt, "continuation": text, "steps": steps, "model_dir": str(self.out / "model")}
 
     def stop(self) -> None:
         """Stop the DHT client and every process; remove the namespaces even if that fails (or is interrupted by
@@ -366,6 +398,9 @@ class DemoRun:
         summary["finished"] = record.finished
         summary["train_started_s"] = record.train_started_s
         summary["replica_divergence"] = record.divergence
+        if record.sample is not None:
+            summary["sample"] = record.sample
+            summary["sample_text"] = f"{record.sample.get('prompt', '')} | {record.sample.get('continuation', '')}"
         summary["chaos_fault"] = self.options.chaos.fault
         summary["chaos_orphans"] = self.count_orphans()
         summary["link"] = self.plan.as_dict() | self._link_placement()
@@ -399,6 +434,14 @@ def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Op
         manifest = authority.secure(manifest)
     manifest_path = out / "manifest.yaml"
     manifest_path.write_text(manifest.to_yaml())
+    tokenizer = manifest.data.tokenizer
+    if tokenizer != "bpe" and not Path(tokenizer).is_absolute():
+        # A relative tokenizer path is read beside the manifest (an `agora import` folder): copy it beside ours,
+        # the path itself being part of the manifest's hash.
+        source, target = manifest.data.resolve(tokenizer), out / tokenizer
+        if source.is_file() and source.resolve() != target.resolve():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
     if authority is not None:
         authority.sign(manifest_path)
         console.print(f"allow-listed run: manifest signed by {out / 'keys' / 'authority.key'}; every peer gets a "

@@ -13,16 +13,8 @@ from typing import Optional
 
 import yaml
 
-from agora.config import Manifest, load_manifest
+from agora.config import Manifest, even_split, load_manifest
 from agora.lab import netem
-
-
-def even_split(n_layers: int, n_stages: int) -> list[int]:
-    """Layers per stage, as equal as possible; the first stages take one more when it does not divide."""
-    if n_stages > n_layers:
-        raise ValueError(f"--stages {n_stages} is more than the model's {n_layers} layers")
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
 def averaging_section(spec: str) -> dict:

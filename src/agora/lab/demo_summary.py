@@ -31,6 +31,7 @@ class RunRecord:
     kills: list[dict] = field(default_factory=list)  # one per chaos kill (see DemoRun.chaos_kill)
     timeline: list[dict] = field(default_factory=list)  # one timeline_point per status read
     divergence: Optional[dict] = None  # measure_replica_divergence's result, when asked for
+    sample: Optional[dict] = None  # the trained model's continuation of a prompt (DemoRun.sample_model)
 
 
 def timeline_point(snap: dict, t: float) -> dict:
@@ -100,11 +101,12 @@ async def _download_and_compare(dht, manifest: Manifest, snap: dict, timeout: fl
 async def _download_state(p2p, manifest: Manifest, stage: int, peer: dict, timeout: float) -> tuple:
     """One replica's ``get_state`` reply and tensors, or (None, None) when the download failed (said on the console)."""
     from agora.net import transport
-    from agora.net.protocol import GET_STATE
+    from agora.net.state_transfer import fetch_state
 
     meta = {"run_id": manifest.run_id, "manifest_hash": manifest.hash, "stage": stage}
     try:
-        return await transport.call(p2p, peer["peer_id"], manifest.run_id, GET_STATE, meta, [], timeout)
+        reply, names, tensors = await fetch_state(p2p, peer["peer_id"], manifest.run_id, meta, timeout)
+        return dict(reply, names=names), tensors
     except transport.RpcError as err:
         console.print(f"[yellow]state download from {peer['short_id']} failed: {err}[/yellow]")
         return None, None

@@ -12,6 +12,7 @@ from agora.net import transport
 FWD_BWD = "fwd_bwd"  # one microbatch's forward through the rest of the pipeline and its backward on the way back
 GET_STATE = "get_state"  # parameters and optimizer moments of a stage (a joining or repairing replica)
 INFO = "info"  # a peer's record and recent events (dashboard, status)
+INFER = "infer"  # one chunk of a generation session through this stage, with the session's KV cache kept here
 
 # Failures of a peer that justify retrying the microbatch on another replica. Validation errors (our request was
 # bad) are not retried: another replica would refuse it the same way.
@@ -36,3 +37,16 @@ BANNABLE = frozenset({
 # Codes with which a head reports a failure downstream of it, or that a moment fixes (``unauthorized``: the caller's
 # certified record has not reached the callee's DHT view yet): a trainer retries them (bounded) but bans nobody.
 DOWNSTREAM = frozenset({"retries_exhausted", "no_peers", "unauthorized"})
+
+# Generation sessions (``INFER``). A session lives on one peer per stage, so these codes tell the client what to do
+# with that pin: the request itself was bad (another replica would refuse it the same way: raise), or the pinned peer
+# cannot go on with this session (pick another replica of the stage and replay the session's prefix there).
+SESSION_LOST = frozenset({
+    *BANNABLE,
+    "leaving",
+    "not_serving",
+    "banned",
+    "busy",  # over its inference memory cap: another replica may have room
+    "unknown_session",  # the peer forgot the session (idle expiry, restart, stage move)
+    "position_mismatch",  # the peer's cache and the client disagree (e.g. a chunk applied before a timeout)
+})

@@ -3,8 +3,9 @@
 ``fwd_bwd`` (``StageHandler.fwd_bwd``): authorize -> rate limit -> validate -> screen (SENTINEL) -> forward on the
 compute thread -> ``Downstream.send`` to the next stage -> backward -> reply with the gradient of our input. Audit
 requests (``audit: true``) recompute a message without training. ``get_state`` serves parameters and optimizer
-moments to a replica that joins or repairs; ``info`` a peer's record and recent events. Compute lives in
-``runtime.py``, the next hop in ``downstream.py``: this module only frames and orders them.
+moments to a replica that joins or repairs; ``info`` a peer's record and recent events; ``infer`` (generation
+sessions) is served by ``inference.py``. Compute lives in ``runtime.py``, the next hop in ``downstream.py``: this
+module only frames and orders them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from hivemind.p2p import PeerID
 
 from agora.config import Manifest
 from agora.net import transport
-from agora.net.protocol import FWD_BWD, GET_STATE, INFO
+from agora.net.state_transfer import StateSnapshots
+from agora.net.protocol import FWD_BWD, GET_STATE, INFER, INFO
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
 from agora.server.runtime import StageRuntime
@@ -69,12 +71,16 @@ class StageHandler:
         self.node = node
         self.manifest = node.manifest
         self._members_lock = asyncio.Lock()
+        self.snapshots = StateSnapshots()  # state downloads in progress (``get_state`` pages)
 
     async def register(self, p2p) -> None:
         ns = self.manifest.run_id
         await transport.add_handler(p2p, ns, FWD_BWD, self.fwd_bwd, stats=self.node.stats_in)
         await transport.add_handler(p2p, ns, GET_STATE, self.get_state)
         await transport.add_handler(p2p, ns, INFO, self.info)
+        # Generation sessions: admission reuses ours (authorize, bans, rate limit, check_addressed).
+        inference = self.node.inference
+        await transport.add_handler(p2p, ns, INFER, inference.infer, stats=inference.wire)
 
     def reject(self, code: str, message: str) -> RpcError:
         self._count_rejection(code)
@@ -231,8 +237,16 @@ class StageHandler:
             raise RpcError("wrong_stage", f"this peer serves stage {node.stage_index}")
         if node.state not in (PeerState.SERVING, PeerState.LEAVING) or node.sync is None:
             raise RpcError("not_serving", f"peer is {node.state.value}: its state is not settled")
-        step, names, state = await node.run_compute(node.runtime.export_state)
-        return {"step": step, "names": names, "fingerprint": node.sync.fingerprint}, state
+        token = meta.get("snapshot")
+        if token is None:  # a new download: snapshot the state once, so every page is of one step
+            if not self.snapshots.has_room():
+                raise RpcError("busy", "other state downloads are in progress here; try another replica or later")
+            step, names, state = await node.run_compute(node.runtime.export_state)
+            if meta.get("params_only"):  # an export needs the weights only: a third of the bytes
+                kept = [i for i, n in enumerate(names) if n.startswith("param/")]
+                names, state = [names[i] for i in kept], [state[i] for i in kept]
+            token = self.snapshots.add(step, node.sync.fingerprint, names, state)
+        return self.snapshots.serve(token, meta.get("offset", 0))
 
     async def info(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
         return {"record": self.node.record().to_value(), "events": self.node.events[-20:]}, []

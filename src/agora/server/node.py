@@ -5,10 +5,11 @@ every forward, backward and optimizer step (``runtime.py``); a small pool makes 
 
 The parts, one file each: ``handler`` (RPCs, the path of a microbatch through this stage), ``runtime`` (compute),
 ``downstream`` (the next hop), ``screening`` (SENTINEL), ``averaging`` (replica sync), ``rebalance`` (stage moves),
-``checkpoint``. ``StageNode`` builds them, runs the lifecycle joining -> syncing -> serving -> leaving (announced in
-the DHT with a short expiry), and on a stage move builds a new runtime, downstream and sync rather than resetting
-fields in place. A graceful leave drains in-flight microbatches up to a deadline; a killed peer simply stops
-refreshing its record, and callers route around it through failed calls. See ``docs/ARCHITECTURE.md``.
+``checkpoint``, ``inference`` (generation sessions). ``StageNode`` builds them, runs the lifecycle joining ->
+syncing -> serving -> leaving (announced in the DHT with a short expiry), and on a stage move builds a new runtime,
+downstream and sync rather than resetting fields in place. A graceful leave drains in-flight microbatches up to a
+deadline; a killed peer simply stops refreshing its record, and callers route around it through failed calls. See
+``docs/ARCHITECTURE.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from agora.server.averaging import make_sync
 from agora.server.averaging.sync import ReplicaSync, SyncContext
 from agora.server.downstream import Downstream, DownstreamHooks
 from agora.server.handler import StageHandler
+from agora.server.inference import InferenceSessions
 from agora.server.observers import Observers
 from agora.server.rebalance import Rebalancer
 from agora.server.runtime import Counters, OutputFilter, StageRuntime
@@ -71,6 +73,10 @@ class NodeOptions:
     rebalance_every_s: float = 0.0
     rebalance_dwell_s: float = 30.0
     min_move_gain: float = 1.3
+    # Generation sessions (``infer`` RPC, server/inference.py): KV-cache bytes all sessions together may reserve
+    # (a new session beyond it is refused with ``busy``), and how long an unused session is kept.
+    inference_memory_bytes: int = 1 << 30
+    inference_idle_s: float = 60.0
 
 
 class StageNode:
@@ -108,6 +114,7 @@ class StageNode:
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"stage{stage}-dht")
         self.screening = self._new_screening() if self.opts.sentinel else None
         self.handler = StageHandler(self)
+        self.inference = InferenceSessions(self, self.opts.inference_memory_bytes, self.opts.inference_idle_s)
         self.rebalancer = Rebalancer(self)
         self.downstream: Optional[Downstream] = None  # built with the P2P, in start()
         self.maddrs: list[str] = []  # where others can dial this peer (announced: any live peer is a way in)
@@ -200,6 +207,7 @@ class StageNode:
         self._serve_stage_parts()
         self._tasks.append(asyncio.create_task(self._announce_loop(), name="announce"))
         self._tasks.append(asyncio.create_task(self._refresh_next_loop(), name="refresh-next"))
+        self._tasks.append(asyncio.create_task(self.inference.run(), name="inference-expiry"))
         await self._join_stage()
         if self.opts.rebalance_every_s > 0:
             self._tasks.append(asyncio.create_task(self.rebalancer.run(), name="rebalance"))
@@ -271,6 +279,7 @@ class StageNode:
             await self.rebalancer.release_lock()
         for sync in self.syncs:
             sync.shutdown()
+        self.inference.close_all()
         if self.opts.checkpoint_dir:
             await self.run_compute(self.runtime.save_checkpoint)
         self._compute.shutdown(wait=True)

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from agora.config import Manifest
-from agora.model import Stage
+from agora.model import KVCache, Stage
 from agora.net.transport import RpcError
 from agora.optim import build_optimizer, set_lr
 from agora.server.checkpoint import save_stage_checkpoint
@@ -245,6 +245,33 @@ class StageRuntime:
             loss = self.stage.loss(out, next_token_targets(tokens, last)) * tokens.shape[0]
             (grad,) = torch.autograd.grad(loss, leaf)
         return grad.to(self.wire_dtype), self.sent_version(self.step)
+
+    # ------------------------------------------------------------------ generation sessions (server/inference.py)
+    def decode(self, cache: KVCache, tensors: list[torch.Tensor], position: int, generation: int) -> torch.Tensor:
+        """One chunk of a generation session: the positions from ``position`` on, after those in ``cache``.
+
+        ``tensors`` is [token ids int32 [1, t]] on the head, else [boundary coords, token ids]. Returns what goes
+        back to the client: the boundary coordinates for the next stage (wire dtype, through the output filters
+        like every message this stage sends), or on the tail the logits of the last position, [1, V] fp32. Runs on
+        the live weights without gradients; nothing is counted toward training.
+        """
+        self.check_generation(generation)
+        # Checked here, on the compute thread, and not only on the loop: two concurrent requests of one session
+        # must not both write at the same positions.
+        if cache.length != position:
+            raise RpcError("position_mismatch", f"the session holds {cache.length} positions; this chunk starts at "
+                                                f"{position}")
+        tokens = tensors[-1].long()
+        with torch.no_grad():
+            if self.is_head:
+                out = self.stage(tokens, cache)
+            else:
+                boundary = Boundary(tensors[0].float(), tokens, self.manifest.residual.mode)
+                out = self.stage(decompress(boundary, self.stage.basis, self.stage.frozen_embed), cache)
+            if self.is_tail:
+                return self.stage.logits(out[:, -1:])[:, -1].float()
+            coords = compress(out, tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords
+        return self.filtered("fwd", coords) if self.output_filters else coords
 
     # ------------------------------------------------------------------ measurements
     def _account(self, t0: float, n_tokens: int, kind: str) -> float:

@@ -26,7 +26,7 @@ from hivemind import DHT
 from agora.config import Manifest
 from agora.net import transport
 from agora.net.members import RunMembers
-from agora.net.protocol import GET_STATE
+from agora.net.state_transfer import fetch_state
 from agora.net.records import PeerState, StageRecord, read_stage, read_swarm_bans
 from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
@@ -218,13 +218,13 @@ class ReplicaSync:
         meta = {"run_id": c.manifest.run_id, "manifest_hash": c.manifest.hash, "stage": c.stage_index}
         t0 = time.monotonic()
         try:
-            reply, tensors = await transport.call(c.p2p, peer.peer_id, c.manifest.run_id, GET_STATE, meta, [], timeout)
+            reply, names, tensors = await fetch_state(c.p2p, peer.peer_id, c.manifest.run_id, meta, timeout)
         except RpcError as err:
             logger.warning(f"state download from {peer.peer_id[-8:]} failed: {err}")
             return False
 
         def load() -> None:
-            rt.import_state(reply["step"], reply["names"], tensors, keep_grads=keep_grads)
+            rt.import_state(reply["step"], names, tensors, keep_grads=keep_grads)
             self._epoch += 1
             self._state_replaced()
             self._set_fingerprint()
