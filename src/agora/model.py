@@ -422,6 +422,16 @@ class Stage(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def tied_parameter(stage: Stage) -> Optional[nn.Parameter]:
+    """This stage's copy of a tied embedding (the head's embedding, the tail's LM head), or None when the stage
+    holds none, or holds both ends itself (one stage: one matrix)."""
+    if not stage.shape.tie_embeddings or stage.spec.n_stages == 1:
+        return None
+    if stage.spec.is_head:
+        return stage.embed_tokens.weight
+    return stage.lm_head.weight if stage.spec.is_tail else None
+
+
 def build_stages(manifest: Manifest) -> list[Stage]:
     return [Stage(manifest, s) for s in range(manifest.n_stages)]
 

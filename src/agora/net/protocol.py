@@ -12,6 +12,7 @@ from agora.net import transport
 FWD_BWD = "fwd_bwd"  # one microbatch's forward through the rest of the pipeline and its backward on the way back
 GET_STATE = "get_state"  # parameters and optimizer moments of a stage (a joining or repairing replica)
 INFO = "info"  # a peer's record and recent events (dashboard, status)
+TIED_GRAD = "tied_grad"  # a step's gradient of a tied embedding, between the head's and the tail's replicas
 INFER = "infer"  # one chunk of a generation session through this stage, with the session's KV cache kept here
 
 # Failures of a peer that justify retrying the microbatch on another replica. Validation errors (our request was

@@ -20,7 +20,7 @@ from hivemind.p2p import PeerID
 from agora.config import Manifest
 from agora.net import transport
 from agora.net.state_transfer import StateSnapshots
-from agora.net.protocol import FWD_BWD, GET_STATE, INFER, INFO
+from agora.net.protocol import FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
 from agora.server.runtime import StageRuntime
@@ -78,6 +78,7 @@ class StageHandler:
         await transport.add_handler(p2p, ns, FWD_BWD, self.fwd_bwd, stats=self.node.stats_in)
         await transport.add_handler(p2p, ns, GET_STATE, self.get_state)
         await transport.add_handler(p2p, ns, INFO, self.info)
+        await transport.add_handler(p2p, ns, TIED_GRAD, self.tied_grad)
         # Generation sessions: admission reuses ours (authorize, bans, rate limit, check_addressed).
         inference = self.node.inference
         await transport.add_handler(p2p, ns, INFER, inference.infer, stats=inference.wire)
@@ -127,7 +128,9 @@ class StageHandler:
             raise RpcError("leaving" if node.state == PeerState.LEAVING else "not_serving",
                            f"peer is {node.state.value}")
 
-    async def admit(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:
+    async def admit_caller(self, sender: str, meta: dict) -> None:
+        """Who may call, before anything is read: certified (allow-listed runs), not banned, within its rate, and
+        addressing this run, manifest and stage while we serve. Every RPC that computes goes through it."""
         node = self.node
         await self.authorize(sender)
         if sender in node.banned_peers():
@@ -135,6 +138,10 @@ class StageHandler:
         if not node.limiter.allow(sender):
             raise self.reject("rate_limited", f"more than {node.opts.rate_limit_per_s:.0f} calls/s from {sender}")
         self.check_addressed(meta)
+
+    async def admit(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:
+        node = self.node
+        await self.admit_caller(sender, meta)
         try:
             validate_fwd_bwd(self.manifest, node.runtime, meta, tensors)
         except RpcError as err:
@@ -247,6 +254,14 @@ class StageHandler:
                 names, state = [names[i] for i in kept], [state[i] for i in kept]
             token = self.snapshots.add(step, node.sync.fingerprint, names, state)
         return self.snapshots.serve(token, meta.get("offset", 0))
+
+    async def tied_grad(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
+        """The other end of a tied embedding asks for our gradient of the shared matrix at a step."""
+        await self.admit_caller(str(caller), meta)
+        tied = self.node.sync.tied if self.node.sync is not None else None
+        if tied is None:
+            raise self.reject("bad_request", f"stage {self.node.stage_index} holds no tied embedding")
+        return await tied.serve(meta, tensors, caller)
 
     async def info(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
         return {"record": self.node.record().to_value(), "events": self.node.events[-20:]}, []

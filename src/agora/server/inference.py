@@ -84,12 +84,7 @@ class InferenceSessions:
         """Admit, validate, then run one chunk of a session (or close it: ``close`` without tensors)."""
         node, handler = self.node, self.node.handler
         sender = str(caller)
-        await handler.authorize(sender)
-        if sender in node.banned_peers():
-            raise handler.reject("banned", f"peer {sender} is banned here for sending corrupted messages")
-        if not node.limiter.allow(sender):
-            raise handler.reject("rate_limited", f"more than {node.opts.rate_limit_per_s:.0f} calls/s from {sender}")
-        handler.check_addressed(meta)
+        await handler.admit_caller(sender, meta)
         session_id, position, close = self._parse_meta(meta)
         key = (sender, session_id)
         if not tensors:

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from agora.config import Manifest
-from agora.model import KVCache, Stage
+from agora.model import KVCache, Stage, tied_parameter
 from agora.net.transport import RpcError
 from agora.optim import build_optimizer, set_lr
 from agora.server.checkpoint import save_stage_checkpoint
@@ -315,7 +315,13 @@ class StageRuntime:
         kept = [p.grad for p in params]
         for p, g in zip(params, grads):
             p.grad = g.to(p.dtype)
-        torch.nn.utils.clip_grad_norm_(params, self.manifest.optimizer.grad_clip)
+        clip = self.manifest.optimizer.grad_clip
+        tied = tied_parameter(self.stage)
+        # A tied embedding's copy is clipped by its own norm: the other end, holding another stage, must scale the
+        # same summed gradient by the same factor for the two copies to stay equal.
+        torch.nn.utils.clip_grad_norm_([p for p in params if p is not tied], clip)
+        if tied is not None:
+            torch.nn.utils.clip_grad_norm_([tied], clip)
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
         self.optimizer.step()
         for p, g in zip(params, kept):

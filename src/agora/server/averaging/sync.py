@@ -24,12 +24,14 @@ import torch
 from hivemind import DHT
 
 from agora.config import Manifest
+from agora.model import tied_parameter
 from agora.net import transport
 from agora.net.members import RunMembers
 from agora.net.state_transfer import fetch_state
 from agora.net.records import PeerState, StageRecord, read_stage, read_swarm_bans
 from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
+from agora.server.averaging.tied import TiedExchange
 from agora.server.observers import Observers
 from agora.server.runtime import StageRuntime
 
@@ -89,6 +91,7 @@ class ReplicaSync:
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
+        self.tied = TiedExchange(ctx) if tied_parameter(ctx.runtime.stage) is not None else None
         m = ctx.manifest
         self.target = m.batch.target_batch_size
         self.prefix = f"{m.run_id}_s{ctx.stage_index}_{m.hash}_grads"  # no dots: hivemind splits keys on '.'
@@ -390,6 +393,8 @@ class ReplicaSync:
         local = averaged is None
         if local:
             averaged = await c.run_compute(self._not_averaged, grads, n_others == 0)
+        if self.tied is not None:  # the other end's gradient of a tied embedding joins ours
+            averaged = await self.tied.offer_and_fetch(rt.step, averaged)
 
         def step() -> None:
             rt.apply_step([g.float() for g in averaged])

@@ -1,0 +1,123 @@
+"""Tied embeddings across two stages: the head's embedding and the tail's LM head stay one matrix.
+
+Head and tail are different peers, so each holds a copy. At every step, after its own replicas averaged, each end
+offers its (float32) gradient of the shared matrix for that step and fetches the other end's: both then apply the
+same sum, with the same optimizer settings from the same state, and the copies stay equal. The gradient sent is the
+stage's average, identical on every replica of the stage, so any replica of the other end can answer. See
+docs/ARCHITECTURE.md ("Tied embeddings across stages") for what happens when the exchange fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Optional
+
+import torch
+
+from agora.model import tied_parameter
+from agora.net import transport
+from agora.net.protocol import TIED_GRAD
+from agora.net.records import PeerState, read_stage
+from agora.net.state_transfer import PAGE_BYTES
+from agora.net.transport import RpcError
+
+logger = logging.getLogger("agora.averaging")
+
+KEEP_STEPS = 4  # offered gradients kept for late askers (each is vocab x d_model floats)
+
+
+class TiedExchange:
+    """One end's half of the exchange: ``offer_and_fetch`` in the step path, ``serve`` for the other end's calls.
+
+    :param ctx: the replica sync's ``SyncContext`` (manifest, runtime, dht, p2p, timeouts)
+    """
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        stage = ctx.runtime.stage
+        param = tied_parameter(stage)
+        if param is None:
+            raise ValueError(f"stage {ctx.stage_index} holds no copy of a tied embedding")
+        self.index = next(i for i, p in enumerate(stage.parameters()) if p is param)
+        self.shape = tuple(param.shape)
+        n = ctx.manifest.n_stages
+        self.other_stage = n - 1 if stage.spec.is_head else 0
+        self.offered: dict[int, torch.Tensor] = {}
+        self.exchanged = 0
+        self.failed = 0
+
+    # ------------------------------------------------------------------ serving the other end
+    async def serve(self, meta: dict, tensors: list, caller) -> tuple[dict, list[torch.Tensor]]:
+        """Rows ``[start, stop)`` of our gradient of the shared matrix for ``step``."""
+        step, rows = meta.get("step"), meta.get("rows")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise RpcError("bad_request", "step must be a non-negative integer")
+        if (not isinstance(rows, list) or len(rows) != 2 or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                                     for r in rows)
+                or not 0 <= rows[0] < rows[1] <= self.shape[0]):
+            raise RpcError("bad_request", f"rows must be [start, stop) within [0, {self.shape[0]}]")
+        grad = self.offered.get(step)
+        if grad is None:
+            if step > max(self.offered, default=-1):
+                raise RpcError("not_ready", f"step {step} not averaged here yet")
+            raise RpcError("too_old", f"step {step}'s gradient is no longer kept here")
+        return {"step": step}, [grad[rows[0]:rows[1]].contiguous()]
+
+    # ------------------------------------------------------------------ in the step path
+    async def offer_and_fetch(self, step: int, averaged: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``averaged`` with the shared matrix's gradient replaced by ours + the other end's for ``step``; unchanged
+        (and logged) when no replica of the other end could give it within the averaging timeout."""
+        own = averaged[self.index].float().contiguous()
+        self.offered[step] = own
+        for old in sorted(self.offered)[:-KEEP_STEPS]:
+            del self.offered[old]
+        other = await self._fetch(step, deadline=time.monotonic() + 2 * self.ctx.averaging_timeout_s)
+        if other is None:
+            self.failed += 1
+            logger.warning(f"stage {self.ctx.stage_index}: no tied-embedding gradient from stage {self.other_stage} "
+                           f"for step {step}; applying ours alone (the two copies now differ)")
+            return averaged
+        self.exchanged += 1
+        out = list(averaged)
+        out[self.index] = own + other  # float32 addition commutes exactly: both ends apply the very same sum
+        return out
+
+    async def _fetch(self, step: int, deadline: float) -> Optional[torch.Tensor]:
+        c = self.ctx
+        rows_per_page = max(1, PAGE_BYTES // (4 * self.shape[1]))
+        while time.monotonic() < deadline and c.is_serving():
+            try:
+                records = await c.run_io(read_stage, c.dht, c.manifest.run_id, self.other_stage, c.manifest.hash)
+            except Exception as err:  # a DHT hiccup: try again until the deadline
+                logger.debug(f"reading stage {self.other_stage} failed: {err!r}")
+                records = []
+            peers = [r for r in records if r.state in (PeerState.SERVING.value, PeerState.LEAVING.value)]
+            random.shuffle(peers)
+            for peer in peers:
+                try:
+                    return await self._fetch_from(peer.peer_id, step, rows_per_page, deadline)
+                except RpcError as err:
+                    if err.code == "not_ready":
+                        continue
+                    logger.debug(f"tied gradient from {peer.peer_id[-8:]} failed: {err}")
+            await asyncio.sleep(0.2)
+        return None
+
+    async def _fetch_from(self, peer_id: str, step: int, rows_per_page: int, deadline: float) -> torch.Tensor:
+        c = self.ctx
+        meta = {"run_id": c.manifest.run_id, "manifest_hash": c.manifest.hash, "stage": self.other_stage,
+                "step": step}
+        parts = []
+        for start in range(0, self.shape[0], rows_per_page):
+            stop = min(self.shape[0], start + rows_per_page)
+            timeout = max(1.0, deadline - time.monotonic())
+            _, tensors = await transport.call(c.p2p, peer_id, c.manifest.run_id, TIED_GRAD,
+                                              dict(meta, rows=[start, stop]), [], timeout)
+            if len(tensors) != 1 or tuple(tensors[0].shape) != (stop - start, self.shape[1]) \
+                    or tensors[0].dtype != torch.float32 or not torch.isfinite(tensors[0]).all():
+                raise RpcError("bad_reply", "a tied-gradient page of the wrong shape, dtype or with non-finite values")
+            parts.append(tensors[0])
+        return torch.cat(parts)
