@@ -47,9 +47,15 @@ def test_replicas_hold_identical_parameters_after_steps():
                             and len({n.step for n in nodes if n.stage_index == 1}) == 1, 30, "replicas at one step")
                 for stage in (0, 1):
                     a, b = [n for n in nodes if n.stage_index == stage]
-                    diff = max((pa - pb).abs().max().item() for pa, pb in
-                               zip(a.stage.parameters(), b.stage.parameters()))
-                    assert diff < 1e-6, (stage, a.step, b.step, diff)
+
+                    def diff() -> float:
+                        return max((pa - pb).abs().max().item() for pa, pb in
+                                   zip(a.stage.parameters(), b.stage.parameters()))
+
+                    # A round lost on a loaded machine is a local step, repaired by adopting the leader's state
+                    # within a few sync ticks: replicas at one step end identical either way.
+                    await _wait(lambda: a.step == b.step and diff() < 1e-6, 30,
+                                f"stage {stage}'s replicas to hold identical parameters")
             trainer.close()
             return [n.sync.rounds_ok for n in nodes]
 
