@@ -12,6 +12,7 @@ gradient is then moved to the live parameters. ``version`` counts every change o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -54,6 +55,53 @@ class Counters:
     rejected_by_code: dict[str, int] = field(default_factory=dict)
 
 
+PRECISIONS = ("fp32", "bf16")
+BACKWARDS = ("stash", "recompute")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; a clear error for anything else
+    or for a CUDA device this machine does not have."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: only cpu and cuda devices are supported")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec}: this machine has no CUDA device torch can use")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: there are only {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How this peer computes its stage; its own business, not the manifest's (replicas of one stage on different
+    devices or precisions average together).
+
+    :param device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``
+    :param precision: ``fp32``, or ``bf16``: autocast for forward and backward, while master weights, gradients and
+      optimizer moments stay fp32 (so averaging and steps are unchanged)
+    :param backward: ``stash``: an in-flight microbatch keeps its autograd graph (activations) until its backward;
+      ``recompute``: it keeps only its input, and the backward re-runs the forward on the same weight snapshot
+      (same gradients, one microbatch's activations in memory at a time)
+    """
+
+    device: str = "cpu"
+    precision: str = "fp32"
+    backward: str = "stash"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"--backward {self.backward!r}: use one of {', '.join(BACKWARDS)}")
+
+
 @dataclass
 class Pending:
     """What a microbatch left on this stage between its forward and its backward."""
@@ -65,6 +113,7 @@ class Pending:
     generation: int = 0  # the runtime's activation: a microbatch of a stage the node left is refused
     fwd_s: float = 0.0  # compute seconds of the forward (throughput counts forward + backward per microbatch)
     weights: Optional[dict] = None  # the stashed parameter snapshot the forward ran on
+    coords: Optional[torch.Tensor] = None  # the received input, kept instead of the graph (``backward="recompute"``)
     version: Optional[list] = None  # ``sent_version`` of the weights the forward ran on (read on the compute thread)
 
 
@@ -83,10 +132,16 @@ class StageRuntime:
     """
 
     def __init__(self, manifest: Manifest, stage_index: int, counters: Counters, observers: Observers,
-                 checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0):
+                 checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0,
+                 options: RuntimeOptions = RuntimeOptions()):
         self.manifest = manifest
         self.stage_index = stage_index
-        self.stage = Stage(manifest, stage_index)
+        self.options = options
+        self.device = resolve_device(options.device)
+        if options.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"--precision bf16: {torch.cuda.get_device_name(self.device)} has no native bf16; "
+                             f"use --precision fp32")
+        self.stage = Stage(manifest, stage_index).to(self.device)
         self.is_head, self.is_tail = self.stage.spec.is_head, self.stage.spec.is_tail
         self.optimizer = build_optimizer(self.stage, manifest.optimizer)
         self.counters = counters
@@ -145,26 +200,45 @@ class StageRuntime:
         needs and the loss (tail only)."""
         self.check_generation(generation)
         t0 = time.perf_counter()
-        tokens, last = tensors[-2].long(), tensors[-1].long()
+        tokens, last = self._in(tensors[-2]).long(), self._in(tensors[-1]).long()
+        coords = None if self.is_head else tensors[0]
         stash = self._stashed() if train and not self.is_tail else None
-        with torch.set_grad_enabled(train):
-            leaf, out = self.forward_from(None if self.is_head else tensors[0], tokens, stash)
-            loss = None
+        # recompute: the graph is not kept; the backward rebuilds it from the input on the same snapshot.
+        keep_graph = train and (self.is_tail or self.options.backward == "stash")
+        loss = None
+        with torch.set_grad_enabled(keep_graph):
+            with self._autocast():
+                leaf, out = self.forward_from(coords, tokens, stash)
+                if self.is_tail:
+                    loss_t = self.stage.loss(out, next_token_targets(tokens, last))
             if self.is_tail:
-                loss_t = self.stage.loss(out, next_token_targets(tokens, last))
                 loss = float(loss_t.detach())
                 if train:
-                    # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean.
+                    # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean. (Outside
+                    # autocast: the backward runs in the dtypes the forward chose.)
                     (loss_t * tokens.shape[0]).backward()
         fwd_s = self._account(t0, tokens.numel(), "forward")
         if self.is_tail and train:
             self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
-        return Pending(tokens, leaf, out, self.step, self.generation, fwd_s, stash, self.sent_version(self.step)), loss
+        kept = coords if train and not keep_graph and not self.is_tail else None
+        return Pending(tokens, leaf, out, self.step, self.generation, fwd_s, weights=stash,
+                       version=self.sent_version(self.step), coords=kept), loss
+
+    def _in(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A received tensor on this stage's device."""
+        return tensor.to(self.device, non_blocking=True) if tensor.device != self.device else tensor
+
+    def _autocast(self):
+        if self.options.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def boundary(self, pending: Pending) -> Boundary:
         """What this (non-tail) stage sends downstream for ``pending``: the compressed output, through the output
         filters."""
-        boundary = compress(pending.out.detach(), pending.tokens, self.stage.basis, self.manifest.residual.wire_dtype)
+        boundary = compress(pending.out.detach().float(), pending.tokens, self.stage.basis,
+                            self.manifest.residual.wire_dtype)
+        boundary.coords, boundary.tokens = boundary.coords.cpu(), boundary.tokens.cpu()  # the wire reads host memory
         if self.output_filters:
             boundary.coords = self.filtered("fwd", boundary.coords)
         return boundary
@@ -182,7 +256,7 @@ class StageRuntime:
         run = self.stage if weights is None else functools.partial(torch.func.functional_call, self.stage, weights)
         if self.is_head:
             return None, run(tokens) if weights is None else run((tokens,))
-        leaf = coords.detach().float().requires_grad_(torch.is_grad_enabled())
+        leaf = self._in(coords).detach().float().requires_grad_(torch.is_grad_enabled())
         x = decompress(Boundary(leaf, tokens, self.manifest.residual.mode), self.stage.basis, self.stage.frozen_embed)
         return leaf, run(x) if weights is None else run((x,))
 
@@ -192,9 +266,14 @@ class StageRuntime:
         t0 = time.perf_counter()
         # Every training forward of a stage that sends a boundary ran on a weight snapshot (``forward``): the
         # backward differentiates exactly that function, whatever steps were taken since. No recompute.
+        if pending.coords is not None or (self.is_head and self.options.backward == "recompute"):
+            # recompute: the forward again, on the snapshot it first ran on, now keeping its graph. Same function,
+            # same input, same weights: the same output and gradients as a stashed graph.
+            with torch.enable_grad(), self._autocast():
+                pending.leaf, pending.out = self.forward_from(pending.coords, pending.tokens, pending.weights)
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
-        sent.backward(grad_out.to(sent.dtype))
+        sent.backward(self._in(grad_out).to(sent.dtype))
         if pending.weights is not None:
             # The gradient landed on the snapshot: move it to the live parameters, where steps are taken.
             for name, p in self.stage.named_parameters():
@@ -218,7 +297,7 @@ class StageRuntime:
         self.last_sample_time = time.monotonic()
         if pending.leaf is None:
             return None
-        return self.filtered("bwd", pending.leaf.grad.to(self.wire_dtype))
+        return self.filtered("bwd", pending.leaf.grad.to(self.wire_dtype).cpu())
 
     def record_loss(self, loss: float) -> None:
         self.loss_ema = loss if math.isnan(self.loss_ema) else 0.9 * self.loss_ema + 0.1 * loss
@@ -228,23 +307,24 @@ class StageRuntime:
         """An audit request to a head: the boundary coordinates it sends for these tokens, without training (the
         same computation as a training forward, whose stashed weights equal the live ones of that version)."""
         self.check_generation(generation)
-        tokens = tensors[-2].long()
-        with torch.no_grad():
+        tokens = self._in(tensors[-2]).long()
+        with torch.no_grad(), self._autocast():
             out = self.stage(tokens)
-        coords = compress(out, tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords
-        return coords, self.sent_version(self.step)
+        coords = compress(out.float(), tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords
+        return coords.cpu(), self.sent_version(self.step)
 
     def recompute_tail(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
         """An audit request: the gradient this tail returns for ``tensors``, without training on it (no parameter
         gradients, samples or throughput counted), and the version of the weights used. The same computation as
         ``forward`` + ``finish_tail``, so that an honest tail at the same version reproduces it bit for bit."""
         self.check_generation(generation)
-        tokens, last = tensors[-2].long(), tensors[-1].long()
+        tokens, last = self._in(tensors[-2]).long(), self._in(tensors[-1]).long()
         with torch.enable_grad():
-            leaf, out = self.forward_from(tensors[0], tokens)
-            loss = self.stage.loss(out, next_token_targets(tokens, last)) * tokens.shape[0]
+            with self._autocast():
+                leaf, out = self.forward_from(tensors[0], tokens)
+                loss = self.stage.loss(out, next_token_targets(tokens, last)) * tokens.shape[0]
             (grad,) = torch.autograd.grad(loss, leaf)
-        return grad.to(self.wire_dtype), self.sent_version(self.step)
+        return grad.to(self.wire_dtype).cpu(), self.sent_version(self.step)
 
     # ------------------------------------------------------------------ generation sessions (server/inference.py)
     def decode(self, cache: KVCache, tensors: list[torch.Tensor], position: int, generation: int) -> torch.Tensor:
@@ -261,16 +341,16 @@ class StageRuntime:
         if cache.length != position:
             raise RpcError("position_mismatch", f"the session holds {cache.length} positions; this chunk starts at "
                                                 f"{position}")
-        tokens = tensors[-1].long()
+        tokens = self._in(tensors[-1]).long()
         with torch.no_grad():
             if self.is_head:
                 out = self.stage(tokens, cache)
             else:
-                boundary = Boundary(tensors[0].float(), tokens, self.manifest.residual.mode)
+                boundary = Boundary(self._in(tensors[0]).float(), tokens, self.manifest.residual.mode)
                 out = self.stage(decompress(boundary, self.stage.basis, self.stage.frozen_embed), cache)
             if self.is_tail:
-                return self.stage.logits(out[:, -1:])[:, -1].float()
-            coords = compress(out, tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords
+                return self.stage.logits(out[:, -1:])[:, -1].float().cpu()
+            coords = compress(out, tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords.cpu()
         return self.filtered("fwd", coords) if self.output_filters else coords
 
     # ------------------------------------------------------------------ measurements
@@ -304,7 +384,7 @@ class StageRuntime:
         grads = []
         for p in self.stage.parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads.append(g.double() / max(n, 1))
+            grads.append(g.to("cpu", torch.float64) / max(n, 1))  # averaging buffers live on the host
             p.grad = None
         self.samples = 0
         return n, grads
@@ -314,7 +394,7 @@ class StageRuntime:
         params = [p for p in self.stage.parameters()]
         kept = [p.grad for p in params]
         for p, g in zip(params, grads):
-            p.grad = g.to(p.dtype)
+            p.grad = g.to(p.device, p.dtype)
         clip = self.manifest.optimizer.grad_clip
         tied = tied_parameter(self.stage)
         # A tied embedding's copy is clipped by its own norm: the other end, holding another stage, must scale the
@@ -336,14 +416,14 @@ class StageRuntime:
         names, tensors = [], []
         for name, p in self.stage.named_parameters():
             names.append(f"param/{name}")
-            tensors.append(p.detach().clone())
+            tensors.append(p.detach().cpu().clone())
             st = self.optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 if key in st:
                     names.append(f"opt/{key}/{name}")
                     value = st[key]
-                    tensors.append(torch.as_tensor(value).detach().clone().reshape(-1) if key == "step"
-                                   else value.detach().clone())
+                    tensors.append(torch.as_tensor(value).detach().cpu().clone().reshape(-1) if key == "step"
+                                   else value.detach().cpu().clone())
         return self.step, names, tensors
 
     def import_state(self, step: int, names: list[str], tensors: list[torch.Tensor], keep_grads: bool = False) -> None:
@@ -362,8 +442,8 @@ class StageRuntime:
                 p.copy_(src)
                 if f"opt/exp_avg/{name}" in by_name:
                     self.optimizer.state[p] = {
-                        "exp_avg": by_name[f"opt/exp_avg/{name}"].clone(),
-                        "exp_avg_sq": by_name[f"opt/exp_avg_sq/{name}"].clone(),
+                        "exp_avg": by_name[f"opt/exp_avg/{name}"].to(p.device, copy=True),
+                        "exp_avg_sq": by_name[f"opt/exp_avg_sq/{name}"].to(p.device, copy=True),
                         "step": by_name[f"opt/step/{name}"].reshape(()).clone().float(),
                     }
                 else:

@@ -1,0 +1,147 @@
+"""How a peer computes its stage (device, precision, backward mode) changes memory and speed, not what it learns:
+recompute gives a stashed graph's gradients, bf16 autocast stays close to fp32, and a replica in bf16 trains
+beside one in fp32."""
+
+import asyncio
+
+import pytest
+import torch
+
+from agora.client.trainer import Trainer
+from agora.config import load_manifest
+from agora.server.node import NodeOptions, StageNode
+from agora.server.observers import Observers
+from agora.server.runtime import Counters, RuntimeOptions, StageRuntime, resolve_device
+from agora.net.dht import make_dht, visible_maddrs
+from swarm_util import random_batches, wait_until
+
+MAN = load_manifest("tiny").with_overrides(stages=[1, 2, 1])
+
+
+def _runtimes(options: RuntimeOptions, manifest=MAN):
+    return [StageRuntime(manifest, s, Counters(), Observers(), options=options) for s in range(manifest.n_stages)]
+
+
+def _microbatch(runtimes, tokens, last, step_between=False):
+    """Forward through every stage, optionally an optimizer step on every stage while the microbatch is in flight,
+    then the backward chain. Returns the loss, the parameter gradients and the gradients sent upstream."""
+    pendings, sent = [], [tokens, last]
+    loss = None
+    for rt in runtimes:
+        pending, loss = rt.forward(sent, True, rt.generation)
+        pendings.append(pending)
+        if not rt.is_tail:
+            b = rt.boundary(pending)
+            sent = [b.coords, tokens, last]
+    if step_between:
+        for rt in runtimes[:-1]:
+            rt.apply_step([torch.full_like(p, 1e-2, dtype=torch.float64) for p in rt.stage.parameters()])
+    upstream = [runtimes[-1].finish_tail(pendings[-1])]
+    for rt, pending in zip(reversed(runtimes[:-1]), reversed(pendings[:-1])):
+        upstream.append(rt.backward(pending, upstream[-1]))
+    grads = [[p.grad.clone() for p in rt.stage.parameters()] for rt in runtimes]
+    return loss, grads, upstream
+
+
+@pytest.mark.parametrize("mode", ["subspace", "dense"])
+@pytest.mark.parametrize("step_between", [False, True], ids=["same-version", "step-in-flight"])
+def test_recompute_gives_the_gradients_of_a_stashed_graph(mode, step_between):
+    manifest = MAN if mode == "subspace" else MAN.with_overrides(**{"residual.mode": "dense", "residual.k": None})
+    tokens = torch.randint(0, manifest.model.vocab_size, (4, manifest.model.seq_len), dtype=torch.int32)
+    last = torch.randint(0, manifest.model.vocab_size, (4,), dtype=torch.int32)
+    stash = _microbatch(_runtimes(RuntimeOptions(backward="stash"), manifest), tokens, last, step_between)
+    again = _microbatch(_runtimes(RuntimeOptions(backward="recompute"), manifest), tokens, last, step_between)
+    assert stash[0] == again[0]
+    for a, b in zip(stash[1], again[1]):
+        for ga, gb in zip(a, b):
+            assert torch.equal(ga, gb)
+    for ua, ub in zip(stash[2][:-1], again[2][:-1]):
+        assert torch.equal(ua, ub)
+
+
+def test_bf16_autocast_stays_close_to_fp32_and_keeps_fp32_master_state():
+    tokens = torch.randint(0, MAN.model.vocab_size, (4, MAN.model.seq_len), dtype=torch.int32)
+    last = torch.randint(0, MAN.model.vocab_size, (4,), dtype=torch.int32)
+    full = _microbatch(_runtimes(RuntimeOptions()), tokens, last)
+    bf16_runtimes = _runtimes(RuntimeOptions(precision="bf16"))
+    half = _microbatch(bf16_runtimes, tokens, last)
+    assert half[0] == pytest.approx(full[0], rel=2e-2)
+    for a, b in zip(full[1], half[1]):
+        for ga, gb in zip(a, b):
+            assert gb.dtype == torch.float32  # gradients (and so averaging and steps) stay fp32
+            cos = torch.nn.functional.cosine_similarity(ga.flatten(), gb.flatten(), dim=0)
+            assert cos > 0.98, float(cos)
+    assert all(p.dtype == torch.float32 for rt in bf16_runtimes for p in rt.stage.parameters())
+    # ... and it is not secretly fp32: the loss differs in the low digits.
+    assert half[0] != full[0]
+
+
+def test_devices_resolve_or_are_refused_clearly():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="use auto, cpu, cuda"):
+        resolve_device("gpu0")
+    with pytest.raises(ValueError):
+        RuntimeOptions(precision="fp16")
+    with pytest.raises(ValueError):
+        RuntimeOptions(backward="sometimes")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_a_cuda_stage_computes_what_a_cpu_stage_computes():
+    tokens = torch.randint(0, MAN.model.vocab_size, (4, MAN.model.seq_len), dtype=torch.int32)
+    last = torch.randint(0, MAN.model.vocab_size, (4,), dtype=torch.int32)
+    cpu = _microbatch(_runtimes(RuntimeOptions()), tokens, last)
+    gpu = _microbatch(_runtimes(RuntimeOptions(device="cuda")), tokens, last)
+    assert gpu[0] == pytest.approx(cpu[0], rel=1e-4)
+    for ua, ub in zip(cpu[2][:-1], gpu[2][:-1]):
+        assert ub.device.type == "cpu"  # what goes on the wire is in host memory
+        torch.testing.assert_close(ub, ua, rtol=1e-3, atol=1e-5)
+
+
+def test_a_bf16_replica_and_an_fp32_replica_of_one_stage_train_together():
+    """Replicas average their (fp32) gradients whatever precision computed them, so a mixed stage keeps one set
+    of parameters: no state downloads once joined."""
+    manifest = load_manifest("tiny").with_overrides(**{"batch.target_batch_size": 8, "batch.microbatch_size": 4})
+    layout = [(0, RuntimeOptions()), (1, RuntimeOptions()), (1, RuntimeOptions(precision="bf16",
+                                                                                   backward="recompute"))]
+
+    async def main():
+        boot = make_dht(manifest=manifest)
+        peers = visible_maddrs(boot)
+        dhts, nodes = [boot], []
+        try:
+            for stage, compute in layout:
+                dht = make_dht(peers, manifest=manifest)
+                dhts.append(dht)
+                node = StageNode(manifest, stage, dht, NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0,
+                                                                   compute=compute))
+                await node.start()
+                nodes.append(node)
+            trainer = Trainer(manifest, boot, shard=None)
+            await trainer.start()
+            await wait_until(lambda: [len(s) for s in trainer.swarm] == [1, 2], 30, "every peer to announce")
+            for step in (1, 2, 3):
+                batches = random_batches(manifest.model.vocab_size, manifest.model.seq_len, 2, 4, seed=step)
+                losses = await asyncio.gather(*(trainer.send(b) for b in batches))
+                assert all(x is not None for x in losses)
+                await wait_until(lambda: all(n.step >= step and n.runtime.samples == 0 for n in nodes), 60,
+                                 f"step {step}")
+            tails = nodes[1:]
+            await wait_until(lambda: all(torch.equal(a, b) for a, b in zip(tails[0].stage.parameters(),
+                                                                            tails[1].stage.parameters())),
+                             30, "the two tails to hold one set of parameters")
+            trainer.close()
+            return [n.sync.rounds_ok for n in tails], [n.sync.resyncs for n in tails]
+        finally:
+            for node in nodes:
+                await node.stop()
+            for dht in dhts:
+                dht.shutdown()
+
+    rounds, resyncs = asyncio.run(main())
+    assert min(rounds) >= 2, rounds
+    assert resyncs == [0, 0], resyncs
