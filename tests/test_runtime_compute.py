@@ -145,3 +145,28 @@ def test_a_bf16_replica_and_an_fp32_replica_of_one_stage_train_together():
     rounds, resyncs = asyncio.run(main())
     assert min(rounds) >= 2, rounds
     assert resyncs == [0, 0], resyncs
+
+
+def test_an_offloaded_optimizer_steps_exactly_as_one_beside_the_weights():
+    """The optimizer's host copies step to the same weights and moments; state moves between the two kinds."""
+    on, off = _runtimes(RuntimeOptions()), _runtimes(RuntimeOptions(offload_optimizer=True))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for a, b in zip(on, off):
+            grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1 for p in a.stage.parameters()]
+            a.apply_step(grads)
+            b.apply_step(grads)
+    for a, b in zip(on, off):
+        sa, sb = a.export_state(), b.export_state()
+        assert sa[1] == sb[1] and any(n.startswith("opt/exp_avg/") for n in sa[1])
+        for x, y in zip(sa[2], sb[2]):
+            assert torch.equal(x, y)
+    # A state exported by one kind of runtime continues identically on the other.
+    fresh = _runtimes(RuntimeOptions(offload_optimizer=True))
+    for a, b in zip(on, fresh):
+        b.import_state(*a.export_state())
+        grads = [torch.full(p.shape, 0.01, dtype=torch.float64) for p in a.stage.parameters()]
+        a.apply_step(grads)
+        b.apply_step(grads)
+        for x, y in zip(a.stage.parameters(), b.stage.parameters()):
+            assert torch.equal(x, y)

@@ -89,11 +89,14 @@ class RuntimeOptions:
     :param backward: ``stash``: an in-flight microbatch keeps its autograd graph (activations) until its backward;
       ``recompute``: it keeps only its input, and the backward re-runs the forward on the same weight snapshot
       (same gradients, one microbatch's activations in memory at a time)
+    :param offload_optimizer: the optimizer keeps fp32 master copies and its moments in host RAM and steps there;
+      the device holds the weights and gradients only (3 of every 5 fp32 words of training state leave it)
     """
 
     device: str = "cpu"
     precision: str = "fp32"
     backward: str = "stash"
+    offload_optimizer: bool = False  # fp32 master weights, Adam moments and the step in host RAM
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -143,7 +146,10 @@ class StageRuntime:
                              f"use --precision fp32")
         self.stage = Stage(manifest, stage_index).to(self.device)
         self.is_head, self.is_tail = self.stage.spec.is_head, self.stage.spec.is_tail
-        self.optimizer = build_optimizer(self.stage, manifest.optimizer)
+        # What the optimizer steps: the stage's own parameters, or their host copies (offload). ``_master`` maps
+        # each parameter to the tensor the optimizer holds state for.
+        self._masters = _HostMasters(self.stage) if options.offload_optimizer else None
+        self.optimizer = build_optimizer(self._masters or self.stage, manifest.optimizer)
         self.counters = counters
         self.observers = observers
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
@@ -393,17 +399,24 @@ class StageRuntime:
         """One optimizer step with ``grads`` (averaged, mean over samples); gradients accumulated meanwhile survive."""
         params = [p for p in self.stage.parameters()]
         kept = [p.grad for p in params]
-        for p, g in zip(params, grads):
-            p.grad = g.to(p.device, p.dtype)
+        stepped = [self._master(p) for p in params]  # what the optimizer steps (host copies when offloading)
+        for q, g in zip(stepped, grads):
+            q.grad = g.to(q.device, q.dtype)
         clip = self.manifest.optimizer.grad_clip
         tied = tied_parameter(self.stage)
+        tied = self._master(tied) if tied is not None else None
         # A tied embedding's copy is clipped by its own norm: the other end, holding another stage, must scale the
         # same summed gradient by the same factor for the two copies to stay equal.
-        torch.nn.utils.clip_grad_norm_([p for p in params if p is not tied], clip)
+        torch.nn.utils.clip_grad_norm_([q for q in stepped if q is not tied], clip)
         if tied is not None:
             torch.nn.utils.clip_grad_norm_([tied], clip)
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
         self.optimizer.step()
+        if self._masters is not None:
+            with torch.no_grad():
+                for p, q in zip(params, stepped):
+                    p.copy_(q, non_blocking=True)
+                    q.grad = None
         for p, g in zip(params, kept):
             p.grad = g
         self.version += 1
@@ -417,7 +430,7 @@ class StageRuntime:
         for name, p in self.stage.named_parameters():
             names.append(f"param/{name}")
             tensors.append(p.detach().cpu().clone())
-            st = self.optimizer.state.get(p, {})
+            st = self.optimizer.state.get(self._master(p), {})
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 if key in st:
                     names.append(f"opt/{key}/{name}")
@@ -440,14 +453,17 @@ class StageRuntime:
                 if src.shape != p.shape:
                     raise ValueError(f"{name}: state shape {tuple(src.shape)} != {tuple(p.shape)}")
                 p.copy_(src)
+                q = self._master(p)
+                if q is not p:
+                    q.copy_(src)
                 if f"opt/exp_avg/{name}" in by_name:
-                    self.optimizer.state[p] = {
-                        "exp_avg": by_name[f"opt/exp_avg/{name}"].to(p.device, copy=True),
-                        "exp_avg_sq": by_name[f"opt/exp_avg_sq/{name}"].to(p.device, copy=True),
+                    self.optimizer.state[q] = {
+                        "exp_avg": by_name[f"opt/exp_avg/{name}"].to(q.device, copy=True),
+                        "exp_avg_sq": by_name[f"opt/exp_avg_sq/{name}"].to(q.device, copy=True),
                         "step": by_name[f"opt/step/{name}"].reshape(()).clone().float(),
                     }
                 else:
-                    self.optimizer.state.pop(p, None)
+                    self.optimizer.state.pop(q, None)
                 if not keep_grads:
                     p.grad = None
         self.version += 1
@@ -456,6 +472,26 @@ class StageRuntime:
             self.samples = 0
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
 
+    def _master(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        return self._masters.of(p) if self._masters is not None else p
+
     def save_checkpoint(self) -> Optional[Path]:
         step, names, tensors = self.export_state()
         return save_stage_checkpoint(self.checkpoint_dir, self.manifest, self.stage_index, step, names, tensors)
+
+
+class _HostMasters(torch.nn.Module):
+    """fp32 host copies of a stage's parameters, for an optimizer that lives in host RAM (``offload_optimizer``).
+    A module of its own so that ``build_optimizer`` groups them (decay on matrices) as it groups the stage's."""
+
+    def __init__(self, stage: torch.nn.Module):
+        super().__init__()
+        self._by_id: dict[int, torch.nn.Parameter] = {}
+        for i, (name, p) in enumerate(stage.named_parameters()):
+            q = torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True))
+            self.register_parameter(f"p{i}", q)  # parameter names may not contain dots
+            self._by_id[id(p)] = q
+
+    def of(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        return self._by_id[id(p)]
+
