@@ -14,6 +14,7 @@ from agora.lab.attacks import (
     AttackSpecError,
     AttackState,
     apply_attack,
+    attack_filter,
     install_attack,
     parse_attack,
 )
@@ -66,9 +67,43 @@ def test_replay_resends_and_stale_sends_unsent_messages():
     sent = [apply_attack("replay", 1, m, g, st) for m in msgs[1:]]
     assert all(torch.equal(s, msgs[0]) for s in sent)  # a lazy peer re-sends what it sent before
     st = AttackState()
-    st.remember(msgs[0])
+    st.remember(msgs[0])  # sent: a stale attacker never sends it again
+    st.spare(torch.full((2, 3), -1.0))  # computed on its own data and kept
     stale = [apply_attack("stale", 1, m, g, st) for m in msgs[1:]]
-    assert [float(s[0, 0]) for s in stale] == [0.0, 1.0, 2.0]  # the previous microbatch's real message
+    assert [float(s[0, 0]) for s in stale] == [-1.0, 1.0, 2.0]  # then the previous microbatch's real message
+    # Without a spare, the first stale message is the microbatch's sequences in another order (never sent).
+    x = torch.arange(12.0).reshape(3, 2, 2)
+    first = apply_attack("stale", 1, x, g, AttackState())
+    assert torch.equal(first, torch.roll(x, 1, dims=0)) and not torch.equal(first, x)
+
+
+def test_held_out_kinds():
+    from agora.sentinel import SentinelConfig
+    from agora.sentinel.features import relative_difference
+
+    g, x = torch.Generator().manual_seed(0), torch.randn(4, 32, 8)
+    rotated = apply_attack("rotate", 0.1, x, g, AttackState())
+    assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), rtol=1e-4)  # per-token norms kept
+    assert 0.01 < relative_difference(rotated, x) < 0.1
+    faint = apply_attack("sub_tolerance", 0.9, x, g, AttackState())
+    assert relative_difference(faint, x) == pytest.approx(0.9 * SentinelConfig().audit_tolerance, rel=1e-3)
+    st, shifts = AttackState(), []
+    for i in range(12):
+        honest = torch.randn(4, 32, 8, generator=g)
+        shifts.append(relative_difference(apply_attack("evade", 0.8, honest, g, st), honest))
+    assert shifts[:8] == [0.0] * 8  # it learns its honest spread first
+    assert all(0 < s < 1 for s in shifts[8:]), shifts  # then shifts, within bounds
+
+
+def test_a_sleeper_behaves_for_its_first_messages():
+    spec = parse_attack("scale:3@fwd,after=2")
+    assert spec.after == 2 and str(spec) == "scale:3@fwd,after=2"
+    corrupt = attack_filter(spec)
+    one = torch.ones(2, 2)
+    assert [float(corrupt("fwd", one)[0, 0]) for _ in range(4)] == [1.0, 1.0, 3.0, 3.0]
+    assert float(corrupt("bwd", one)[0, 0]) == 1.0
+    with pytest.raises(AttackSpecError, match="after"):
+        parse_attack("scale:3,later=2")
 
 
 def _node(stage):

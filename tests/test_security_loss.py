@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from agora.bench.loss_impact import train_under_attack
+from agora.bench.loss_impact import loss_impact, train_under_attack
 
 STEPS = 60  # tiny: validation loss ~8.3 -> ~6.3; the attack runs from step 20
 
@@ -30,3 +30,21 @@ def test_a_sign_flipping_head_hurts_the_model_unless_sentinel_bans_it(clean):
     # What the defence let through before the ban is counted, and it is a small share of what the attacker sent.
     assert defended["corrupt_dropped"] > 0, defended
     assert defended["corrupt_used"] < 0.5 * bare["corrupt_used"], (defended, bare)
+    # No corrupted message reached the optimizer: the defended run *is* the clean run (a ratio of 1 by construction).
+    assert defended["corrupt_used"] == 0 and defended["val_loss"] == clean["val_loss"]
+
+
+def test_loss_impact_reports_corruption_used_with_audits_and_on_statistics_alone():
+    """A stale head (real messages of other microbatches) looks honest to every statistic: on statistics alone its
+    messages reach the optimizer, the run is trained on its own, and the report says how many were used. A
+    defended run is reported as the clean run exactly when it used no corrupted message."""
+    torch.set_num_threads(1)
+    report = loss_impact("tiny", strengths={"stale": (1.0,)}, steps=30, directions=("fwd",))
+    rows = {r["audits"]: r for r in report["rows"]}
+    assert set(rows) == {True, False} and set(report["worst_ratio"]) == {"audits", "statistics only"}
+    for r in rows.values():
+        assert r["same_as_clean"] == (r["corrupt_used"] == 0), r
+        assert (r["ratio"] == 1.0) == r["same_as_clean"], r
+        assert r["undefended_ratio"] is not None
+    stats = rows[False]
+    assert stats["corrupt_used"] > 0 and stats["attacker_banned_at_step"] is None, stats

@@ -198,8 +198,9 @@ def bench_rpc(
 def bench_efficiency(
     out: Path = typer.Option(Path("bench-out/efficiency")),
     preset: str = typer.Option("small"),
-    steps: int = typer.Option(20, help="optimizer steps of each run (equal token budget)"),
+    steps: int = typer.Option(20, help="centralized optimizer steps; the swarm trains exactly as many tokens"),
     stages: int = typer.Option(3), replicas: int = typer.Option(2),
+    repeats: int = typer.Option(3, min=1, help="run the centralized/swarm pair this many times (median, min-max)"),
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
     link_mbps: Optional[float] = typer.Option(None, help="also run capped-link swarms (dense vs subspace) at this rate"),
     capped_steps: Optional[int] = typer.Option(None, help="steps of each capped-link run (default: --steps)"),
@@ -209,27 +210,50 @@ def bench_efficiency(
                                                        "optionally with settings: 'powersgd,rank=8', "
                                                        "'sparse,every=5,rho=0.05' (default: the preset's)"),
 ) -> None:
-    """Swarm vs centralized: tokens per pooled CPU-second, wall tokens/s and validation loss at equal tokens."""
+    """Swarm vs centralized on equal tokens: tokens per CPU-second of the training window (every process of the
+    swarm), wall tokens/s and validation loss on the same held-out batches; median and min-max over the repeats."""
     from agora.bench.efficiency import EfficiencyOptions, run
 
     run(out, EfficiencyOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                link_mbps=link_mbps, capped_steps=capped_steps, link_backend=link_backend,
-                               averaging=averaging), log=console.print)
+                               averaging=averaging, repeats=repeats), log=console.print)
+
+
+@bench_app.command("gpu")
+def bench_gpu(
+    manifest: str = typer.Option("agora-8b", help="whose stages to measure (preset or YAML)"),
+    out: Path = typer.Option(Path("bench-out/gpu")),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
+    precision: str = typer.Option("bf16", help="fp32 or bf16"),
+    microbatch: int = typer.Option(1, min=1, help="sequences per microbatch"),
+    repeats: int = typer.Option(3, min=1, help="timed microbatches per setting (after one warm-up)"),
+) -> None:
+    """One stage of each kind on this machine's accelerator: time, MFU, peak memory vs `agora plan`."""
+    from agora.bench.gpu import run
+
+    try:
+        result = run(manifest, out, device=device, precision=precision, microbatch=microbatch, repeats=repeats)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+    console.print(f"{len(result['rows'])} settings measured on {result['card']}: {out}/result.md")
 
 
 @bench_app.command("sentinel")
 def bench_sentinel(
     out: Path = typer.Option(Path("bench-out/sentinel")),
-    train_steps: int = typer.Option(50, help="train the tiny model this long before recording its messages"),
-    drift_steps: int = typer.Option(240, help="also stream messages recorded while tiny trains this many steps (0: off)"),
-    loss_steps: int = typer.Option(120, help="train tiny this long with one attacker per kind, with and without "
-                                             "SENTINEL, and compare validation loss with a clean run (0: off)"),
+    size: str = typer.Option("small", help="the traffic: 'small' (the benchmark, a few minutes) or 'tiny' (quick)"),
+    loss_steps: int = typer.Option(60, help="train tiny this long with one attacker per kind, with SENTINEL (with "
+                                            "audits, on statistics alone) and without, against a clean run (0: off)"),
 ) -> None:
-    """SENTINEL detection per attack kind and strength: sender F1, detection delay, clean false positives, also
-    while the model trains (honest drift); final validation loss under attack against a clean run."""
+    """SENTINEL detection per attack kind and strength on real training traffic, with imperfect auditors and
+    held-out attacks: sender F1, detection delay, honest bans, audit availability; validation loss under attack."""
     from agora.bench.sentinel import run
+    from agora.bench.sentinel_traffic import TRAFFIC_SIZES
 
-    run(out, train_steps=train_steps, drift_steps=drift_steps, loss_steps=loss_steps, log=console.print)
+    if size not in TRAFFIC_SIZES:
+        raise typer.BadParameter(f"--size must be one of {', '.join(TRAFFIC_SIZES)}")
+    run(out, size=size, loss_steps=loss_steps, log=console.print)
 
 
 # ---------------------------------------------------------------------------------------------- swarm roles
@@ -298,9 +322,15 @@ def node(
     rebalance_every: float = typer.Option(15.0, help="seconds between checks whether to move to a weaker stage (0: never)"),
     summary: Optional[str] = typer.Option(None, help="write a JSON summary of this node here"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads for this node"),
-    attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): KIND[:strength]"),
+    attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): "
+                                                     "KIND[:strength][@fwd|@bwd][,after=N] (docs/ATTACKS.md)"),
     sentinel: bool = typer.Option(False, help="screen received messages with SENTINEL and ban corrupted senders"),
     sentinel_log: Optional[str] = typer.Option(None, help="append one JSON line per message SENTINEL judged here"),
+    device: str = typer.Option("auto", help="auto (CUDA when available), cpu, cuda or cuda:N"),
+    precision: str = typer.Option("fp32", help="fp32, or bf16 (autocast; weights, gradients, optimizer stay fp32)"),
+    backward: str = typer.Option("stash", help="stash: keep each in-flight microbatch's graph; recompute: keep its "
+                                               "input and re-run the forward at backward time (less memory)"),
+    offload_optimizer: bool = typer.Option(False, help="keep fp32 master weights and Adam moments in host RAM"),
     certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
 ) -> None:
@@ -310,7 +340,17 @@ def node(
     from agora.server.node import NodeOptions
 
     m = _start_role(log_level, manifest)
-    opts = NodeOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
+    from agora.server.runtime import RuntimeOptions, resolve_device
+
+    try:
+        compute = RuntimeOptions(device=str(resolve_device(device)), precision=precision, backward=backward,
+                                 offload_optimizer=offload_optimizer)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+    console.print(f"computing on {compute.device} in {compute.precision}, backward {compute.backward}"
+                  + (", optimizer offloaded to host RAM" if compute.offload_optimizer else ""))
+    opts = NodeOptions(compute=compute, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
                        rebalance_every_s=rebalance_every, sentinel=sentinel or sentinel_log is not None,
                        sentinel_log=sentinel_log)
     setup = None
@@ -332,6 +372,8 @@ def train(
     in_flight: int = typer.Option(2, help="microbatches kept in the pipeline at once"),
     max_tokens: Optional[int] = typer.Option(None, help="stop after this many tokens (default: until stopped)"),
     val_batches: int = typer.Option(4, help="validation microbatches to run through the swarm at the end"),
+    settle_s: float = typer.Option(0.0, help="before validating, wait up to this many seconds for every stage to "
+                                             "apply the samples it was sent (0: validate at once)"),
     summary: Optional[str] = typer.Option(None, help="write a JSON summary here on exit"),
     certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
@@ -349,7 +391,8 @@ def train(
         console.print(f"[red]error:[/red] --shard must look like INDEX/COUNT with 0 <= INDEX < COUNT, got {shard!r}")
         raise typer.Exit(2)
     opts = TrainerOptions(in_flight=in_flight)
-    run = TrainerRun(shard=(index, count), max_tokens=max_tokens, summary=summary, val_batches=val_batches)
+    run = TrainerRun(shard=(index, count), max_tokens=max_tokens, summary=summary, val_batches=val_batches,
+                     settle_s=settle_s)
     endpoint = Endpoint(host, port, identity=identity, certificate=certificate)
     raise typer.Exit(_join_errors(lambda: run_trainer(m, initial_peers, endpoint, opts, run)))
 
@@ -407,6 +450,9 @@ def demo(
     allow_list: bool = typer.Option(False, help="invitation-only run: signed manifest, every peer with a certified key"),
     averaging: Optional[str] = typer.Option(None, help="replica averaging: full, powersgd or sparse, optionally with "
                                                        "settings, e.g. 'powersgd,rank=8' or 'sparse,every=5'"),
+    device: str = typer.Option("cpu", help="every node's --device (auto, cpu, cuda, cuda:N): a GPU is shared"),
+    precision: str = typer.Option("fp32", help="every node's --precision (fp32 or bf16)"),
+    backward: str = typer.Option("stash", help="every node's --backward (stash or recompute)"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.lab.demo import (CHAOS_FAULTS, ChaosOptions, DemoOptions, LinkOptions, NodeExtras, StopRule,
@@ -440,7 +486,8 @@ def demo(
         stop=StopRule(steps=steps, timeout=timeout),
         chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last, fault=chaos_fault),
         link=LinkOptions(mbps=link_mbps, latency_ms=link_latency_ms, backend=link_backend),
-        nodes=NodeExtras(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume),
+        nodes=NodeExtras(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+                         args=["--device", device, "--precision", precision, "--backward", backward]),
         allow_list=allow_list, live=not no_live, dashboard_port=dashboard_port if dashboard else None,
     ))
     mb = summary["microbatches"]
@@ -631,6 +678,72 @@ def dashboard(
     m = _manifest(manifest)
     raise typer.Exit(_join_errors(
         lambda: run_dashboard(m, initial_peers, host, port, interval, summary, dht_host, dht_netns)))
+
+
+@app.command()
+def plan(
+    manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
+    stage: Optional[int] = typer.Option(None, help="plan this stage only (default: every stage)"),
+    gpu_gb: float = typer.Option(24.0, "--gpu-gb", help="GPU memory in GiB (a '24 GB' card holds 24 GiB)"),
+    microbatch: Optional[int] = typer.Option(None, min=1, help="sequences per microbatch (default: the manifest's)"),
+    in_flight: int = typer.Option(2, min=1, help="microbatches between their forward and backward on a stage"),
+    precision: Optional[str] = typer.Option(None, help="only consider fp32 or bf16 (default: both, bf16 first)"),
+    checkpointing: Optional[bool] = typer.Option(None, "--checkpointing/--no-checkpointing",
+                                                 help="only with / without per-block activation checkpointing "
+                                                      "(default: both; the node runtime has none yet)"),
+    attention: str = typer.Option("sdpa", help="sdpa (fused kernels, O(T) memory) or math (keeps T x T scores)"),
+    host_gb: Optional[float] = typer.Option(None, "--host-gb", help="also require the host part to fit this"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+) -> None:
+    """Memory plan per stage: which node options (precision, backward, optimizer offload, block checkpointing) let
+    each stage train on a GPU of --gpu-gb, part by part (docs/PLAN.md). Exit code 1 when a stage does not fit."""
+    from rich.table import Table
+
+    from agora.plan import GIB, Assumptions, Options, Search, plan_report
+
+    if precision not in (None, "fp32", "bf16") or attention not in ("sdpa", "math"):
+        console.print("[red]error:[/red] --precision is fp32 or bf16, --attention is sdpa or math")
+        raise typer.Exit(2)
+    m = _manifest(manifest)
+    try:
+        report = plan_report(m, gpu_gb, stage, microbatch, in_flight, Assumptions(attention=attention),
+                             Search(precision, checkpointing), host_gb)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+    if as_json:
+        print(json.dumps(report, indent=1))
+        raise typer.Exit(0 if report["all_fit"] else 1)
+    out = Console()
+    gib = lambda n: f"{n / GIB:.2f}" if n else "-"  # noqa: E731
+    for s in report["stages"]:
+        shown = s["chosen"] or s["smallest"]
+        verdict = "fits" if s["chosen"] else "[red]does not fit[/red]; smallest need"
+        table = Table(title=f"stage {s['stage']} ({s['kind']}, {shown['layers']} layers, "
+                            f"{shown['parameters'] / 1e6:,.0f}M params): {verdict} with "
+                            f"{Options(**shown['options']).node_flags()}", title_justify="left")
+        for col, just in (("part", "left"), ("GPU GiB", "right"), ("host GiB", "right"), ("when", "left"),
+                          ("what", "left")):
+            table.add_column(col, justify=just)
+        for p in shown["parts"]:
+            table.add_row(p["name"], gib(p["device"]), gib(p["host"]), p["phase"], p["note"])
+        table.add_row("[bold]total[/bold]", f"[bold]{gib(shown['device_bytes'])}[/bold]",
+                      f"[bold]{gib(shown['host_bytes'])}[/bold]", "peak", f"of {report['gpu_gib']:g} GiB")
+        out.print(table)
+        for line in s["advice"]:
+            out.print(f"  [yellow]{line}[/yellow]")
+    summary = Table(title=f"{report['run_id']}: microbatch {report['microbatch']}, {report['in_flight']} in flight, "
+                          f"{report['gpu_gib']:g} GiB GPU", title_justify="left")
+    for col in ("stage", "kind", "fits", "options", "GPU GiB", "host GiB"):
+        summary.add_column(col)
+    for s in report["stages"]:
+        shown = s["chosen"] or s["smallest"]
+        summary.add_row(str(s["stage"]), s["kind"], "yes" if s["chosen"] else "[red]no[/red]",
+                        Options(**shown["options"]).node_flags(), gib(shown["device_bytes"]),
+                        gib(shown["host_bytes"]))
+    out.print(summary)
+    out.print(report["verdict"] if report["all_fit"] else f"[red]{report['verdict']}[/red]")
+    raise typer.Exit(0 if report["all_fit"] else 1)
 
 
 def main() -> None:  # pragma: no cover - console entry

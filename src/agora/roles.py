@@ -36,24 +36,36 @@ from agora.net.dht import (
 from agora.net.records import ANNOUNCE_PERIOD_S, read_swarm
 from agora.net.routing import drop_stale, pick_stage
 from agora.ops.metrics import serve_node_metrics
-from agora.server.checkpoint import load_stage_checkpoint
 from agora.server.node import NodeOptions, StageNode
 
 logger = logging.getLogger("agora")
 
 
 def process_cpu_seconds(pid: Optional[int] = None) -> float:
-    """CPU seconds of a process (default: this one) and all its live descendants (hivemind's DHT/averager
-    processes, p2pd)."""
+    """CPU seconds of a process (default: this one) and all its descendants (hivemind's DHT/averager processes,
+    p2pd): the live ones' own time plus, for each, the time of the children it already reaped. The kernel adds a
+    child's time to its parent once the parent waits for it, so an averager shut down (and joined) before this is
+    read still counts: a node's final summary is written after ``node.stop()``."""
     total = 0.0
     me = psutil.Process(pid)
     for proc in [me, *me.children(recursive=True)]:
         try:
             t = proc.cpu_times()
-            total += t.user + t.system
+            total += t.user + t.system + t.children_user + t.children_system
         except psutil.Error:
             continue
     return total
+
+
+class RoundClock:
+    """Seconds a node spent in averaging rounds (gradients taken to step applied, waiting included), from the
+    node's "round" events."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self, ok: bool, seconds: float, group: int) -> None:
+        self.seconds += seconds
 
 
 def _write(path: Optional[str], data: dict) -> None:
@@ -162,14 +174,8 @@ def check_memory(manifest: Manifest, stage: Optional[int]) -> None:
 def _build_node(dht, manifest: Manifest, options: NodeOptions, run: NodeRun, host: str) -> StageNode:
     index = _stage_to_serve(dht, manifest, run.stage)
     check_memory(manifest, index)
-    node = StageNode(manifest, index, dht, options)
-    if run.resume:
-        saved = load_stage_checkpoint(run.resume, manifest, index)
-        if saved is None:
-            logger.warning(f"--resume {run.resume}: no checkpoint for stage {index}; starting fresh")
-        else:
-            node.runtime.import_state(*saved)
-            logger.info(f"resumed stage {index} at step {node.step} from {run.resume}")
+    # The node reads --resume for whichever stage it serves, now or after a move.
+    node = StageNode(manifest, index, dht, replace(options, resume_dir=run.resume) if run.resume else options)
     if run.metrics_port is not None:
         serve_node_metrics(node, run.metrics_port, host=host)  # same interface as the node's listener
     if run.setup is not None:
@@ -177,7 +183,7 @@ def _build_node(dht, manifest: Manifest, options: NodeOptions, run: NodeRun, hos
     return node
 
 
-async def _serve(node: StageNode, summary: Optional[str]) -> None:
+async def _serve(node: StageNode, summary: Optional[str], rounds: RoundClock) -> None:
     stop = asyncio.Event()
     install_stop_signals(asyncio.get_running_loop(), stop)
     await node.start()
@@ -188,7 +194,7 @@ async def _serve(node: StageNode, summary: Optional[str]) -> None:
         except asyncio.TimeoutError:
             pass
         if summary and time.monotonic() - last_summary > 2.0:
-            _write(summary, node_summary(node))
+            _write(summary, node_summary(node, rounds))
             last_summary = time.monotonic()
     await node.stop()
 
@@ -202,19 +208,25 @@ def run_node(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpoin
     try:
         check_run_manifest(dht, manifest)
         node = _build_node(dht, manifest, options, run, endpoint.host)
-        asyncio.run(_serve(node, run.summary))
-        _write(run.summary, node_summary(node))
+        rounds = RoundClock()
+        node.observers.subscribe("round", rounds)
+        asyncio.run(_serve(node, run.summary, rounds))
+        _write(run.summary, node_summary(node, rounds))
         return 0
     finally:
         dht.shutdown()
 
 
-def node_summary(node: StageNode) -> dict:
+def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
+    """What a node writes to ``--summary``: its counters, averaging, and where its CPU goes: ``compute_tid`` (the
+    compute thread's native id) and ``helper_pids`` (its DHT and averager processes) let a parent process
+    attribute the CPU of its threads and children (``agora.lab.cpu_meter``)."""
     sync, syncs = node.sync, node.syncs
     return {
         "role": "node",
         "peer_id": node.peer_id,
         "stage": node.stage_index,
+        "compute": asdict(node.opts.compute),  # device, precision, backward mode, optimizer offload
         "state": node.state.value,
         "step": node.step,
         "counters": asdict(node.counters),
@@ -231,6 +243,10 @@ def node_summary(node: StageNode) -> dict:
         "maddrs": node.maddrs,
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),
+        "compute_tid": node.compute_thread_id,
+        "helper_pids": {"dht": getattr(node.dht, "pid", None),
+                        "averagers": [p for s in syncs if (p := getattr(getattr(s, "averager", None), "pid", None))]},
+        "round_s": rounds.seconds if rounds is not None else None,
         "events": node.events[-50:],
         # Who this node banned and, per monitored stream, how many messages of each sender it judged (a banned
         # sender is judged no more, so its count is the number of its messages it took to ban it).
@@ -248,12 +264,15 @@ class TrainerRun:
     :param max_tokens: stop after this many tokens (None: until stopped)
     :param summary: write a JSON summary here on exit
     :param val_batches: validation microbatches run through the swarm at the end
+    :param settle_s: before that validation pass, wait up to this long for every stage to apply what it was sent
+        (``Trainer.wait_settled``), so the validation loss covers every trained token (0: validate at once)
     """
 
     shard: tuple[int, int] = (0, 1)
     max_tokens: Optional[int] = None
     summary: Optional[str] = None
     val_batches: int = 0
+    settle_s: float = 0.0
 
 
 async def _train(trainer: Trainer, val, manifest: Manifest, run: TrainerRun) -> dict:
@@ -261,11 +280,14 @@ async def _train(trainer: Trainer, val, manifest: Manifest, run: TrainerRun) -> 
     install_stop_signals(asyncio.get_running_loop(), stop)
     await trainer.start()
     stats = await trainer.run(stop, max_tokens=run.max_tokens)
+    trained_at = time.time()
+    settled = await trainer.wait_settled(trained_at, run.settle_s) if run.settle_s > 0 else None
     val_loss = None
     if run.val_batches:  # a stop signal ends training; the validation pass still runs (bounded by timeouts)
         val_loss = await trainer.evaluate(val.fixed_batches(manifest.batch.microbatch_size, run.val_batches))
     trainer.close()
-    return {"val_loss": val_loss, "stats": asdict(stats)}
+    return {"val_loss": val_loss, "stats": asdict(stats), "settled": settled,
+            "val_batches_done": trainer.val_batches_done}
 
 
 def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpoint, options: TrainerOptions,
@@ -293,6 +315,9 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endp
             "loss_curve": out["stats"]["loss_curve"],
             "started_at": trainer.started_at,  # unix time of the loss curve's wall_s = 0
             "val_loss": out["val_loss"],
+            "val_batches_done": out["val_batches_done"],  # validation microbatches that got a loss back
+            "max_tokens": run.max_tokens,
+            "settled": out["settled"],  # the stages applied every trained sample before validation (None: not asked)
             "bytes_sent": trainer.transfer.payload_bytes_sent,
             "wall_s": time.time() - t0,
             "cpu_s": process_cpu_seconds(),

@@ -107,17 +107,14 @@ def measure_stage(manifest: Manifest, stage: int, options: RuntimeOptions, micro
     }
 
 
-def _predicted(manifest: Manifest, stage: int, options: RuntimeOptions, microbatch: int) -> Optional[int]:
-    """The planner's device bytes for this setting, when the planner is installed (agora.plan)."""
-    try:
-        from agora import plan
-    except ImportError:
-        return None
-    predict = getattr(plan, "predict_stage_bytes", None)
-    if predict is None:
-        return None
-    return int(predict(manifest, stage, precision=options.precision, backward=options.backward,
-                       microbatch=microbatch, in_flight=1))
+def _predicted(manifest: Manifest, stage: int, options: RuntimeOptions, microbatch: int) -> int:
+    """The planner's device bytes for this setting (``agora plan``)."""
+    from agora.plan import predict_stage_bytes
+
+    # One microbatch in flight and no optimizer step: what this measurement runs.
+    return int(predict_stage_bytes(manifest, stage, precision=options.precision, backward=options.backward,
+                                   microbatch=microbatch, in_flight=1, offload_optimizer=options.offload_optimizer,
+                                   stepped=False))
 
 
 def run(manifest_spec: str, out: Path, device: str = "auto", precision: str = "bf16", microbatch: int = 1,

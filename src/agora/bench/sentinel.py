@@ -1,19 +1,14 @@
-"""``agora bench sentinel``: how well SENTINEL finds corrupted inter-stage messages.
+"""``agora bench sentinel``: how well SENTINEL finds corrupted inter-stage messages, with no oracle anywhere.
 
-Real boundary activations and gradients of the ``tiny`` model stream from honest replicas and one attacker into one
-monitor, for every attack kind at two strengths and both directions, plus clean streams (see
-``agora.bench.sentinel_eval``), in two settings:
+Detection (``agora.bench.sentinel_audits``): the ``small`` preset (``--size tiny`` for a quick run) trains for real
+on its corpus; four replicas per stage send one microbatch each per step, one attacker among them (two colluding
+ones in one row), into a receiver's monitor set up as a node's, with audits (recomputations by the other replicas,
+which may be a step off, absent, or lying) or on statistics alone. Rows: the kinds SENTINEL has features for at two
+strengths, held-out attacks apart, clean streams.
 
-* ``static``: a pool of messages of one model (optionally after ``train_steps`` of training), as before;
-* ``drift``: messages recorded *while the model trains* for ``drift_steps`` optimizer steps, one message per step
-  reaching the receiver (as on a live ``tiny`` swarm), the attack starting a third of the way in; clean streams
-  with 2 or 3 senders. Honest statistics drift by many per-message spreads here (what banned honest peers live).
-
-Reported: per attack kind, strength and direction whether the attacker was banned, the detection delay (corrupted
-messages until the ban), honest bans and message-level precision / recall / F1; clean false-positive rates and
-bans; sender-level precision / recall / F1 per setting and overall. With ``loss_steps``: the final validation loss
-of ``tiny`` trained with one attacking replica behind SENTINEL (and without it) against a clean run at equal
-tokens (``agora.bench.loss_impact``).
+Damage (``agora.bench.loss_impact``, with ``loss_steps``): ``tiny`` trained on its corpus with one attacking
+replica per kind, behind SENTINEL with audits, on statistics alone, and undefended; the final validation loss
+against a clean run's, and the corrupted messages that reached the optimizer.
 """
 
 from __future__ import annotations
@@ -21,50 +16,73 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from agora.bench.common import markdown_table, write_result
-from agora.bench.sentinel_eval import evaluate
+from agora.bench.common import environment, markdown_table, write_result
 from agora.bench.loss_impact import loss_impact
+from agora.bench.sentinel_audits import evaluate_audited
 
 
-def run(out: Path, train_steps: int = 50, drift_steps: int = 240, loss_steps: int = 120,
-        log: Callable[[str], None] = print) -> dict:
-    report = evaluate("tiny", train_steps=train_steps, drift_steps=drift_steps)
-    if loss_steps:
-        report["loss_impact"] = loss_impact("tiny", steps=loss_steps)
-    rows = [[r.get("setting"), r.get("kind"), r.get("strength"), r.get("direction"),
-             "yes" if r.get("attacker_banned") else "no", r.get("delay"), r.get("honest_banned"),
-             round(r.get("precision"), 3), round(r.get("recall"), 3), round(r.get("f1"), 3)]
-            for r in report["attacks"]]
-    md = markdown_table(["setting", "attack", "strength", "direction", "attacker banned", "delay (msgs)",
-                         "honest banned", "msg precision", "msg recall", "msg F1"], rows)
-    md += "\n\n" + markdown_table(
-        ["clean stream", "direction", "senders", "msgs/step", "messages", "flags", "false-positive rate", "bans"],
-        [[c["setting"], c["direction"], c["senders"], c["messages_per_step"] or "-", c["messages"], c["flags"],
-          round(c["false_positive_rate"], 4), c["bans"]] for c in report["clean"]])
-    if report.get("drift"):
-        d = report["drift"]
-        md += (f"\n\nDrift trace: {d['steps']} optimizer steps of tiny, training loss {d['loss_first']:.2f} -> "
-               f"{d['loss_last']:.2f}. Static pool: trained {train_steps} steps (loss {report['pool_loss']:.2f}).\n")
-    md += "\n" + markdown_table(
-        ["setting", "attackers banned", "honest bans", "precision", "recall", "F1", "median delay", "max delay",
-         "clean flags"],
+def _summary_table(summary: dict) -> str:
+    def share(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    return markdown_table(
+        ["rows, setting", "attackers banned", "honest bans", "precision", "recall", "F1", "median delay",
+         "max delay", "clean flags", "audits answered", "audits usable"],
         [[k, f"{s['attackers_banned']}/{s['attackers']}", s["honest_banned"], round(s["precision"], 3),
           round(s["recall"], 3), round(s["f1"], 3), s["median_delay"], s["max_delay"],
-          f"{s['clean_flags']}/{s['clean_messages']}"] for k, s in report["by_setting"].items()])
+          f"{s['clean_flags']}/{s['clean_messages']}" if s["clean_messages"] else "-", share(s["audit_answered"]),
+          share(s["audit_usable"])] for k, s in summary.items()])
+
+
+def _rows_table(rows: list) -> str:
+    return markdown_table(
+        ["rows", "setting", "attack", "direction", "banned", "delay (corrupt msgs)", "honest banned",
+         "corrupt msgs", "msg recall", "honest flags", "audits: usable / attempted", "corrupt audited / cleared",
+         "honest convicted", "first reasons"],
+        [[r["group"], r["setting"], r["label"], r["direction"], f"{r['attackers_banned']}/{r['attackers']}",
+          r["delay"], r["honest_banned"], r["corrupt_sent"], round(r["recall"], 3),
+          f"{r['honest_flags']}/{r['honest_messages']}",
+          f"{r['audits']['usable']}/{r['audits']['attempted']}" if r["audits"]["attempted"] else "-",
+          f"{r['audits']['on_corrupt']} / {r['audits']['cleared_corrupt']}" if r["audits"]["attempted"] else "-",
+          r["audits"]["convicted_honest"] if r["audits"]["attempted"] else "-",
+          "; ".join(r["first_reasons"])] for r in rows])
+
+
+def _loss_table(li: dict) -> str:
+    def num(x):
+        return "-" if x is None else round(x, 4)
+
+    return markdown_table(
+        ["attack", "strength", "direction", "defence", "val loss", "ratio to clean", "same run as clean",
+         "banned at step", "corrupt msgs used", "corrupt msgs dropped", "honest bans", "ratio (no defence)"],
+        [[r["kind"], r["strength"], r["direction"], "audits" if r["audits"] else "statistics only",
+          round(r["val_loss"], 4), round(r["ratio"], 4), "yes" if r["same_as_clean"] else "no",
+          r["attacker_banned_at_step"], r["corrupt_used"], r["corrupt_dropped"], r["honest_banned"],
+          num(r["undefended_ratio"])] for r in li["rows"]])
+
+
+def run(out: Path, size: str = "small", loss_steps: int = 60, log: Callable[[str], None] = print) -> dict:
+    command = f"agora bench sentinel --out {out} --size {size} --loss-steps {loss_steps}"
+    report = evaluate_audited(size, log=log)
+    t = report["traffic"]
+    md = (f"Measured {environment()['date']}. Command: `{command}`\n\n"
+          f"Traffic: `{t['preset']}` trained {t['steps']} steps on `{t['corpus']}` with its optimizer (loss "
+          f"{t['loss_first']:.2f} -> {t['loss_last']:.2f}), {t['seats']} replicas per stage, messages "
+          f"{t['message_shape']} in {t['wire_dtype']}. Replicas: absent {t['replicas']['absent']}, a step behind "
+          f"{t['replicas']['behind']}, a step ahead {t['replicas']['ahead']} (each per step). Recomputations at the "
+          f"message's version: {t['same_version_recomputations']}, {t['same_version_nonbitwise']} not bit-identical, "
+          f"largest relative difference {t['same_version_max_diff']:.3g} (audit tolerance {t['audit_tolerance']:g}); "
+          f"at a version one step off: smallest {t['other_version_min_diff']:.3g}, median "
+          f"{t['other_version_median_diff']:.3g}. {report['seconds']:.0f} s.\n\n")
+    md += _summary_table(report["summary"]) + "\n\n" + _rows_table(report["rows"])
     if loss_steps:
-        li = report["loss_impact"]
-        md += (f"\n\nValidation loss after {loss_steps} training steps with one attacking replica (moderate strength, "
-               f"attack from step {loss_steps // 3}), against the clean run's {li['clean']['val_loss']:.4f} "
-               f"(goal: within 2 %):\n\n")
-        md += markdown_table(
-            ["attack", "strength", "direction", "val loss (SENTINEL)", "ratio to clean", "banned at step",
-             "corrupt msgs used", "val loss (no defence)", "ratio (no defence)", "honest bans"],
-            [[r["kind"], r["strength"], r["direction"], round(r["val_loss"], 4), round(r["ratio"], 4),
-              r["attacker_banned_at_step"], r["corrupt_used"], round(r["undefended_val_loss"], 4),
-              None if r["undefended_ratio"] is None else round(r["undefended_ratio"], 4), r["honest_banned"]]
-             for r in li["rows"]])
-        md += f"\nWorst ratio with SENTINEL: {li['worst_ratio']:.4f}.\n"
-    write_result(out, "sentinel", {"train_steps": train_steps, "drift_steps": drift_steps, "loss_steps": loss_steps,
-                                   **report}, md)
+        report["loss_impact"] = li = loss_impact("tiny", steps=loss_steps)
+        md += (f"\n\nValidation loss of `tiny` after {loss_steps} steps with one attacking replica (attack from step "
+               f"{loss_steps // 3}), against the clean run's {li['clean']['val_loss']:.4f}. \"Same run as clean\": no "
+               f"corrupted message was used, so the run is the clean run (ratio 1 by construction).\n\n")
+        md += _loss_table(li)
+        md += "\n\nWorst ratio with SENTINEL: " + ", ".join(f"{k} {v:.4f}" for k, v in li["worst_ratio"].items())
+        md += ".\n"
+    write_result(out, "sentinel", {"command": command, "size": size, "loss_steps": loss_steps, **report}, md)
     log(md)
     return report

@@ -1,4 +1,9 @@
-"""Offline evaluation of SENTINEL on real boundary traffic of a preset model (tests; a future ``agora bench sentinel``).
+"""SENTINEL's design-set harness: the tests' streams of ``tiny`` traffic on synthetic text.
+
+The benchmark (``agora bench sentinel``) does not use this module's streams: their audits are an oracle (every
+audit gets two present, honest recomputations at the sender's version, i.e. the exact honest message) and the
+attack kinds are the ones the detector has features for. ``agora.bench.sentinel_audits`` evaluates without an
+oracle, on real training traffic of ``small``, with held-out attacks.
 
 Honest traffic is exact, not simulated: the preset's head and tail ``Stage`` run forward and backward on token
 batches of a synthetic language (Zipf unigrams mixed with a sparse random bigram table, closer to text than
@@ -210,8 +215,8 @@ class StreamResult:
 
 def simulated_audit(monitor: SentinelMonitor, sender: str, direction: str, msg: Tensor, honest: Tensor,
                     version: tuple) -> None:
-    """An audit answered by honest replicas holding the sender's weights, as a node runs it: one recomputes, and a
-    second one too when the first disagrees with the message."""
+    """An oracle audit: two honest replicas holding the sender's weights always answer with the exact honest
+    message (one recomputes, a second one too when the first disagrees). For the design-set tests only."""
     again = [("auditor-1", honest, version)]
     if not monitor.same_message(msg, honest):
         again.append(("auditor-2", honest.clone(), version))

@@ -27,7 +27,7 @@ from agora.data import TokenDataset
 from agora.client.router import Router, RouterOptions
 from agora.net.protocol import DOWNSTREAM, RETRYABLE
 from agora.net.records import (
-    ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_swarm, read_swarm_bans, trainers_key,
+    ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_swarm, read_swarm_bans, stages_settled, trainers_key,
 )
 from agora.net.transport import RpcError, TransferStats
 
@@ -86,6 +86,7 @@ class Trainer:
         self._t0 = time.monotonic()
         self.started_at = time.time()  # wall-clock anchor of the loss curve's ``wall_s`` (merged across processes)
         self._empty_since: dict[int, float] = {}
+        self.val_batches_done = 0  # validation microbatches of the last evaluate() that got a loss back
 
     async def run_io(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
@@ -198,13 +199,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     async def run(self, stop: asyncio.Event, max_tokens: Optional[int] = None) -> TrainerStats:
+        """Train until ``stop`` or ``max_tokens``. With ``max_tokens``, a microbatch is only submitted while the
+        completed ones plus those in flight stay below it, so in-flight work never carries the count past it:
+        a budget that is a whole number of microbatches ends exactly on it (else within one microbatch)."""
         background = asyncio.create_task(self._background(stop))
         workers: set[asyncio.Task] = set()
+        per_microbatch = self.manifest.batch.microbatch_size * self.manifest.model.seq_len
+
+        def room() -> bool:
+            return max_tokens is None or self.stats.tokens + len(workers) * per_microbatch < max_tokens
+
         try:
             while not stop.is_set() and (max_tokens is None or self.stats.tokens < max_tokens):
                 if not await self._wait_for_full_pipeline(stop):
                     break
-                while len(workers) < self.opts.in_flight:
+                while len(workers) < self.opts.in_flight and room():
                     workers.add(asyncio.create_task(self._one(stop)))
                 done, workers = await asyncio.wait(workers, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 workers = set(workers)
@@ -220,9 +229,25 @@ class Trainer:
             await self.announce()
         return self.stats
 
+    async def wait_settled(self, since: float, timeout: float) -> bool:
+        """Wait (up to ``timeout`` seconds) until every stage has applied what it was sent before ``since`` (a
+        ``time.time()``): see :func:`agora.net.records.stages_settled`. A validation pass after this sees every
+        trained token in the weights; False when the stages did not settle in time."""
+        deadline = time.monotonic() + timeout
+        in_a_row = 0
+        while in_a_row < 2:
+            await self.refresh()
+            in_a_row = in_a_row + 1 if stages_settled(self.swarm, since) else 0
+            if in_a_row < 2:
+                if time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.5)
+        return True
+
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Validation loss through the swarm (forward only, no gradients, no optimizer effect)."""
         await self.refresh()
         losses = [await self.send(b, train=False) for b in batches]
         losses = [x for x in losses if x is not None]
+        self.val_batches_done = len(losses)
         return float(sum(losses) / len(losses)) if losses else float("nan")

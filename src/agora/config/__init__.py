@@ -16,7 +16,7 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-PRESETS = ("tiny", "small", "agora-8b")
+PRESETS = ("tiny", "small", "medium", "agora-8b")
 
 
 class ManifestError(ValueError):
@@ -308,7 +308,7 @@ def parse_manifest(data: object, source: str = "<dict>") -> Manifest:
 
 
 def load_manifest(path_or_preset: str | Path) -> Manifest:
-    """Load a manifest from a YAML file, or a bundled preset by name (tiny, small, agora-8b)."""
+    """Load a manifest from a YAML file, or a bundled preset by name (tiny, small, medium, agora-8b)."""
     name = str(path_or_preset)
     if name in PRESETS:
         text = resources.files("agora.presets").joinpath(f"{name}.yaml").read_text()

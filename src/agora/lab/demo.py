@@ -32,6 +32,7 @@ from rich.table import Table
 
 from agora.config import Manifest
 from agora.lab import netem
+from agora.lab.cpu_meter import SwarmMeter
 from agora.lab.demo_setup import (LINK_BACKENDS, LinkPlan, LocalAuthority, averaging_section, demo_manifest,
                                   even_split, plan_links)
 from agora.lab.demo_summary import RunRecord, measure_replica_divergence, summarize, timeline_point
@@ -52,6 +53,7 @@ console = Console(stderr=True)
 
 STATUS_GIVE_UP_S = 120.0  # the demo fails when it could not read the swarm's status from the DHT for this long
 LAYOUT_TIMEOUT_S = 180.0  # every stage must serve with all its replicas this soon after the nodes start
+SETTLE_TIMEOUT_S = 90.0  # exact_tokens: how long the stages may take to apply their last samples
 
 
 @dataclass(frozen=True)
@@ -73,15 +75,23 @@ class SwarmShape:
 @dataclass(frozen=True)
 class StopRule:
     """Training ends at the first of: every stage at ``steps`` steps, ``tokens`` tokens, ``train_seconds`` of
-    training. ``timeout`` seconds after the demo started, it gives up (a failure)."""
+    training. ``timeout`` seconds after the demo started, it gives up (a failure).
+
+    ``exact_tokens`` (with ``tokens``): the trainers themselves stop at exactly ``tokens`` between them, and
+    training ends once the stages have applied every sample (the last partial batch is stepped after the nodes'
+    stall time); only then do the trainers validate. The CPU window (``cpu_window`` in the summary) ends there.
+    ``steps`` then only labels the progress: the token count alone ends training."""
 
     steps: int = 30
     tokens: Optional[int] = None
     train_seconds: Optional[float] = None
     timeout: float = 1800.0
+    exact_tokens: bool = False
 
     def reached(self, snap: dict, trained_s: float) -> bool:
         """Whether the swarm status ``snap``, ``trained_s`` seconds after the trainers started, ends training."""
+        if self.exact_tokens and self.tokens is not None:
+            return snap["tokens"] >= self.tokens
         return (_every_stage_at(snap, self.steps) or (self.tokens is not None and snap["tokens"] >= self.tokens)
                 or (self.train_seconds is not None and trained_s >= self.train_seconds))
 
@@ -209,6 +219,8 @@ class DemoRun:
         self.swarm: Optional[Swarm] = None
         self.dashboard: Optional[Child] = None
         self.dht = None
+        self.cpu: Optional[SwarmMeter] = None  # the training window's CPU, every process of the swarm
+        self.settled: Optional[bool] = None  # exact_tokens: the stages applied every sample before the end
 
     def run(self) -> dict:
         """Start, train, stop (also on errors, Ctrl-C and SIGTERM), then write and return the summary."""
@@ -242,8 +254,17 @@ class DemoRun:
             self.record.events.append(f"dashboard at http://127.0.0.1:{self.options.dashboard_port}/")
         _wait_for_layout(self.dht, self.manifest, shape.replicas, self.swarm, timeout=LAYOUT_TIMEOUT_S)
         self.record.train_started_s = time.time() - self.record.t0
+        stop = self.options.stop
+        budgets = _token_shares(stop.tokens, shape.trainers) if stop.exact_tokens and stop.tokens else None
         for i in range(shape.trainers):
-            self.swarm.start_trainer(i, shape.trainers, shape.in_flight, shape.val_batches)
+            self.swarm.start_trainer(i, shape.trainers, shape.in_flight, shape.val_batches,
+                                     max_tokens=budgets[i] if budgets else None,
+                                     settle_s=SETTLE_TIMEOUT_S if budgets else 0.0)
+        # The CPU window opens when every trainer has announced itself, right before its training loop: a
+        # trainer's start-up (imports, data) is no more training than a node's, or the baseline's model build.
+        _wait_for_trainers(self.dht, self.manifest, shape.trainers, self.swarm, timeout=LAYOUT_TIMEOUT_S)
+        self.cpu = SwarmMeter(self.swarm, self.dht)
+        self.cpu.start()
 
     def _connect(self, maddr: str):
         """The demo's read-only DHT client. Under netns links it is a (capped) peer like any other: only its DHT
@@ -274,7 +295,12 @@ class DemoRun:
                     continue
                 last_read = time.time()
                 self._observe(snap, view)
+                self.cpu.tick()
                 if opts.stop.reached(snap, time.time() - record.t0 - record.train_started_s):
+                    if opts.stop.exact_tokens and opts.stop.tokens:
+                        self.cpu.mark()
+                        self.settled = self._wait_settled(snap, deadline)
+                    self.cpu.end()  # before anything stops
                     return True
                 dead = [c for c in self.swarm.trainers() if not c.alive]
                 if dead:
@@ -283,6 +309,27 @@ class DemoRun:
                     self.chaos_kill(snap)
                     next_kill = time.time() + every
                 time.sleep(1.0)
+        return False
+
+    def _wait_settled(self, snap: dict, deadline: float) -> bool:
+        """Until the stages have applied every sample the trainers sent (two reads in a row, see
+        :func:`agora.net.records.stages_settled`); False after ``SETTLE_TIMEOUT_S`` or the demo's ``deadline``."""
+        from agora.net.records import read_swarm, stages_settled
+
+        since = max((float(t.get("updated", 0.0)) for t in snap["trainers"]), default=0.0)
+        give_up = min(deadline, time.time() + SETTLE_TIMEOUT_S)
+        in_a_row = 0
+        while time.time() < give_up:
+            try:
+                swarm = read_swarm(self.dht, self.manifest.run_id, self.manifest.n_stages, self.manifest.hash)
+            except TimeoutError:
+                swarm = None
+            in_a_row = in_a_row + 1 if swarm is not None and stages_settled(swarm, since) else 0
+            if in_a_row >= 2:
+                return True
+            self.cpu.tick()
+            time.sleep(0.5)
+        self.record.events.append(f"the stages had not applied every sample after {SETTLE_TIMEOUT_S:.0f}s")
         return False
 
     def _read_status(self, last_read: float) -> Optional[dict]:
@@ -401,6 +448,8 @@ class DemoRun:
         if record.sample is not None:
             summary["sample"] = record.sample
             summary["sample_text"] = f"{record.sample.get('prompt', '')} | {record.sample.get('continuation', '')}"
+        summary["cpu_window"] = self.cpu.result() if self.cpu is not None else None
+        summary["settled"] = self.settled
         summary["chaos_fault"] = self.options.chaos.fault
         summary["chaos_orphans"] = self.count_orphans()
         summary["link"] = self.plan.as_dict() | self._link_placement()
@@ -447,6 +496,11 @@ def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Op
         console.print(f"allow-listed run: manifest signed by {out / 'keys' / 'authority.key'}; every peer gets a "
                       f"certified key in {out / 'keys'}")
     return manifest, manifest_path, authority
+
+
+def _token_shares(tokens: int, trainers: int) -> list[int]:
+    """``tokens`` split between ``trainers`` as evenly as possible (the first ones take the remainder)."""
+    return [tokens // trainers + (1 if i < tokens % trainers else 0) for i in range(trainers)]
 
 
 def _enter_topology(plan: LinkPlan) -> netem.NetnsTopology:
@@ -526,6 +580,26 @@ def _wait_for_layout(dht, manifest: Manifest, replicas: int, swarm: Swarm, timeo
             raise RuntimeError(f"node {dead[0].name} exited during start-up; see {dead[0].log}")
         time.sleep(0.5)
     raise TimeoutError(f"stage peers did not all start serving within {timeout:.0f}s (serving per stage: {counts})")
+
+
+def _wait_for_trainers(dht, manifest: Manifest, trainers: int, swarm: Swarm, timeout: float) -> None:
+    """Until ``trainers`` trainers of this run have announced themselves in the DHT (each does so right before
+    its training loop); fails when a trainer exits or ``timeout`` passes. Polled often: the CPU window opens here."""
+    from agora.net.records import read_subkeys, trainers_key
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            found = read_subkeys(dht, trainers_key(manifest.run_id))
+        except TimeoutError:
+            found = {}
+        if sum(isinstance(v, dict) and v.get("manifest_hash") == manifest.hash for v in found.values()) >= trainers:
+            return
+        dead = [c for c in swarm.trainers() if not c.alive]
+        if dead:
+            raise RuntimeError(f"trainer {dead[0].name} exited during start-up; see {dead[0].log}")
+        time.sleep(0.1)
+    raise TimeoutError(f"the trainers did not announce themselves within {timeout:.0f}s")
 
 
 def _chaos_candidates(swarm: Swarm, snap: dict, allow_last: bool) -> list[tuple[Child, str, int]]:

@@ -147,6 +147,18 @@ def read_swarm(dht: DHT, run_id: str, n_stages: int, manifest_hash: str) -> list
     return [read_stage(dht, run_id, s, manifest_hash) for s in range(n_stages)]
 
 
+def stages_settled(swarm: list[list[StageRecord]], since: float) -> bool:
+    """Whether every stage has applied all it was sent before ``since`` (a ``time.time()``, e.g. when a trainer
+    stopped): each stage has serving peers, and every one of them announced after ``since`` with no sample
+    accumulated and no averaging round running. One read can still catch a replica between taking its gradients
+    and applying its step (it announces again right after), so callers wait for two reads in a row."""
+    for stage in swarm:
+        serving = [r for r in stage if r.state == PeerState.SERVING.value]
+        if not serving or any(r.updated < since or r.samples or r.averaging_step != -1 for r in serving):
+            return False
+    return True
+
+
 # Distinct publishers whose SENTINEL banned a peer before the rest of the swarm (trainers, averaging groups) drops
 # it. One publisher is not enough: one receiver's mistaken ban would exclude a peer everywhere, and a lone malicious
 # peer could publish bans of every honest peer. Readers count only publishers that serve a stage of the run (and,

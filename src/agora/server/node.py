@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -33,12 +34,13 @@ from agora.net.transport import TransferStats
 from agora.sentinel import AUDIT_RATE
 from agora.server.averaging import make_sync
 from agora.server.averaging.sync import ReplicaSync, SyncContext
+from agora.server.checkpoint import load_stage_checkpoint
 from agora.server.downstream import Downstream, DownstreamHooks
 from agora.server.handler import StageHandler
 from agora.server.inference import InferenceSessions
 from agora.server.observers import Observers
 from agora.server.rebalance import Rebalancer
-from agora.server.runtime import Counters, OutputFilter, StageRuntime
+from agora.server.runtime import Counters, OutputFilter, RuntimeOptions, StageRuntime
 from agora.server.screening import Screening, ScreeningHooks
 from agora.trust.ratelimit import RateLimiter
 
@@ -64,6 +66,9 @@ class NodeOptions:
     stall_step_s: float = 10.0  # step with what we have if no new samples arrived for this long
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
+    # Stage checkpoints to start from (``--resume``): read for whatever stage the node serves, also after a move, so
+    # a peer moving into an empty stage of a run started from pretrained weights takes them and not a seeded init.
+    resume_dir: Optional[str] = None
     drain_timeout_s: float = 20.0
     threads: Optional[int] = None
     sync_timeout_s: float = 120.0  # a joining/moving peer's state download, all attempts together
@@ -77,6 +82,8 @@ class NodeOptions:
     # (a new session beyond it is refused with ``busy``), and how long an unused session is kept.
     inference_memory_bytes: int = 1 << 30
     inference_idle_s: float = 60.0
+    # How this peer computes (server/runtime.py RuntimeOptions): device, precision, backward mode.
+    compute: RuntimeOptions = RuntimeOptions()
 
 
 class StageNode:
@@ -110,7 +117,9 @@ class StageNode:
         self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
         # Allow-listed runs: only callers holding a certified record of the run are served (see net/members.py).
         self.members = RunMembers(manifest) if manifest.security.allow_list else None
-        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
+        self.compute_thread_id: Optional[int] = None  # native id of the compute thread once it runs (CPU accounting)
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute",
+                                                              initializer=self._note_compute_thread)
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"stage{stage}-dht")
         self.screening = self._new_screening() if self.opts.sentinel else None
         self.handler = StageHandler(self)
@@ -162,6 +171,9 @@ class StageNode:
         self.events.append({"t": time.time(), "kind": kind, "peer": self.peer_id, "stage": self.stage_index, **info})
         del self.events[:-200]
 
+    def _note_compute_thread(self) -> None:
+        self.compute_thread_id = threading.get_native_id()
+
     async def run_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
@@ -171,8 +183,15 @@ class StageNode:
     # ------------------------------------------------------------------ building the parts
     def _new_runtime(self, stage: int) -> StageRuntime:
         rt = StageRuntime(self.manifest, stage, self.counters, self.observers, self.opts.checkpoint_dir,
-                          self.opts.checkpoint_every)
+                          self.opts.checkpoint_every, self.opts.compute)
         rt.output_filters = self.output_filters
+        if self.opts.resume_dir:
+            saved = load_stage_checkpoint(self.opts.resume_dir, self.manifest, stage)
+            if saved is None:
+                logger.warning(f"--resume {self.opts.resume_dir}: no checkpoint for stage {stage}; starting fresh")
+            else:
+                rt.import_state(*saved)
+                logger.info(f"stage {stage} starts from step {rt.step} of {self.opts.resume_dir}")
         return rt
 
     def _new_screening(self) -> Screening:

@@ -30,6 +30,20 @@ from agora.sentinel import SentinelConfig, SentinelMonitor, node_config, version
 logger = logging.getLogger("agora.node")
 
 MAX_AUDITS = 3  # audits in flight at once (each costs one or two recomputations by other replicas)
+AUDITORS_ASKED = 2  # replicas asked per audit: the first that confirms ends it, a second is asked if it differs
+
+
+def rank_auditors(records: list[StageRecord], sender: str, banned: set[str], claimed: Optional[tuple],
+                  rng: Optional[random.Random] = None) -> list[StageRecord]:
+    """The replicas that may recompute ``sender``'s message, best first: serving, not banned, not the sender; in
+    random order, those whose record shows the sender's claimed step first (records lag by seconds, so the
+    others stay candidates). ``claimed``: the message's ``version_key``. The offline evaluation
+    (``agora.bench.sentinel_audits``) ranks its simulated replicas with this too."""
+    others = [r for r in records if r.peer_id != sender and r.peer_id not in banned
+              and r.state == PeerState.SERVING.value]
+    (rng or random).shuffle(others)
+    others.sort(key=lambda r: claimed is None or r.step != claimed[0])
+    return others
 
 
 @dataclass
@@ -152,13 +166,7 @@ class Screening:
                                                              self.manifest.hash)
                 self._head_records_at = time.monotonic()
             records, boundary = self._head_records, self.stage_index - 1
-        banned, claimed = self.banned_peers(), version_key(msg.version)
-        others = [r for r in records if r.peer_id != msg.sender and r.peer_id not in banned
-                  and r.state == PeerState.SERVING.value]
-        random.shuffle(others)
-        # Replicas whose record shows the sender's step first; records lag by seconds, so the others are asked too.
-        others.sort(key=lambda r: claimed is None or r.step != claimed[0])
-        return others, boundary
+        return rank_auditors(records, msg.sender, self.banned_peers(), version_key(msg.version)), boundary
 
     async def _run_audit(self, msg: Message, meta: dict, tensors: list, flagged: bool = False) -> None:
         """Ask a replica of the sender's stage at the sender's step for the same message (``audit``: computed, not
@@ -167,7 +175,7 @@ class Screening:
         if msg.direction == "fwd":
             meta, tensors = dict(meta, stage=0), tensors[-2:]  # the head needs the tokens only
         results: list = []
-        for rec in others[:2]:
+        for rec in others[:AUDITORS_ASKED]:
             try:
                 reply, out = await transport.call(self.p2p, rec.peer_id, self.manifest.run_id, FWD_BWD,
                                                   dict(meta, audit=True), tensors, self.hop_timeout_s,
