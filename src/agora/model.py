@@ -513,12 +513,17 @@ def stage_memory_bytes(manifest: Manifest, stage: Optional[int] = None) -> int:
     return need + 2 * shape.seq_len * shape.head_dim * 4
 
 
-def flops_per_token(manifest: Manifest) -> float:
-    """Training FLOPs per token: 6 x (non-embedding-lookup parameters) + attention scores (Kaplan et al.)."""
+def flops_per_token(manifest: Manifest, stage: Optional[int] = None) -> float:
+    """Training FLOPs per token of the whole model (or of one ``stage``): 6 x (non-embedding-lookup parameters) +
+    attention scores (Kaplan et al.)."""
     shape = manifest.model
-    params = count_parameters(manifest)["total"]
+    counts = count_parameters(manifest)
+    params = counts["total"] if stage is None else counts["per_stage"][stage]
     lookup = shape.vocab_size * (manifest.residual.k if manifest.residual.mode == "subspace" else shape.d_model)
-    if shape.tie_embeddings:
+    if stage is None and shape.tie_embeddings:
         lookup = 0  # the one shared matrix is counted once, and as the LM head it does multiply
-    attention = 6 * shape.n_layers * shape.seq_len * shape.d_model  # QK^T and AV, forward + backward, causal avg
+    elif stage not in (None, 0):
+        lookup = 0  # only the head looks tokens up
+    layers = shape.n_layers if stage is None else manifest.stages[stage]
+    attention = 6 * layers * shape.seq_len * shape.d_model  # QK^T and AV, forward + backward, causal avg
     return 6.0 * (params - lookup) + attention

@@ -18,7 +18,7 @@ import torch
 
 from agora.bench.common import markdown_table, write_result
 from agora.config import Manifest, load_manifest
-from agora.model import count_parameters
+from agora.model import flops_per_token
 from agora.server.observers import Observers
 from agora.server.runtime import Counters, RuntimeOptions, StageRuntime, resolve_device
 
@@ -31,18 +31,6 @@ def _peak_tflops(device: torch.device) -> Optional[float]:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-
-
-def _stage_flops(manifest: Manifest, stage: int, tokens: int) -> float:
-    """Training FLOPs of one microbatch through one stage: 6 x parameters x tokens (lookup excluded) plus causal
-    attention scores."""
-    params = count_parameters(manifest)["per_stage"][stage]
-    if stage == 0:
-        res = manifest.residual
-        params -= manifest.model.vocab_size * (res.k if res.mode == "subspace" else manifest.model.d_model)
-    shape = manifest.model
-    attention = 6 * manifest.stages[stage] * shape.seq_len * shape.d_model
-    return (6.0 * params + attention) * tokens
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -94,7 +82,7 @@ def measure_stage(manifest: Manifest, stage: int, options: RuntimeOptions, micro
     peak = _peak_bytes(device) - (0 if device.type == "cuda" else before)
     seconds = sorted(times)[len(times) // 2]
     n_tokens = microbatch * shape.seq_len
-    flops = _stage_flops(manifest, stage, n_tokens)
+    flops = flops_per_token(manifest, stage) * n_tokens
     peak_tflops = _peak_tflops(device)
     del rt
     _reset_peak(device)
