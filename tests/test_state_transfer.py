@@ -63,3 +63,25 @@ def test_a_tensor_is_cut_only_when_it_exceeds_a_page():
     assert [(n, r) for n, r, _ in pieces] == [("a", None), ("b", None)]
     pieces = split_pieces(["a"], [torch.zeros(10, 10)], page_bytes=120)
     assert [r for _, r, _ in pieces] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+
+
+def test_downloads_of_one_step_share_one_copy_and_each_reads_to_its_own_end():
+    names, tensors = _state()
+    snaps = StateSnapshots(max_snapshots=1, ttl_s=60.0)
+    first = snaps.add(3, "fp", names, tensors, page_bytes=20_000, kind="full")
+    assert snaps.join(3, "fp", "params_only") is None  # another kind of copy
+    assert snaps.join(4, "fp", "full") is None  # another step
+    second = snaps.join(3, "fp", "full")
+    assert second is not None and second != first
+    assert not snaps.has_room()  # still one copy, and the bound counts copies
+    results = {}
+    for token in (second, first):  # each download pages through the shared copy independently
+        pages, offset = StateAssembler(), 0
+        while offset is not None:
+            reply, part = snaps.serve(token, offset, page_bytes=20_000)
+            pages.add(reply, part)
+            offset = reply["next"]
+        results[token] = pages.result()[1]
+    for got in results.values():
+        assert all(torch.equal(a, b) for a, b in zip(got, tensors))
+    assert snaps.has_room() and snaps.join(3, "fp", "full") is None  # both finished: the copy is gone

@@ -74,6 +74,7 @@ class Trainer:
         self.shard = shard
         self.opts = options or TrainerOptions()
         self.peer_id = str(dht.peer_id)
+        self.training = False  # in the training loop of ``run`` (announced: stages hold partial batches meanwhile)
         self.stats = TrainerStats()
         self.transfer = TransferStats()
         self.swarm: list[list[StageRecord]] = [[] for _ in range(manifest.n_stages)]
@@ -141,7 +142,7 @@ class Trainer:
     async def announce(self) -> None:
         loss = self.stats.loss_curve[-1]["loss"] if self.stats.loss_curve else float("nan")
         value = {"peer_id": self.peer_id, "manifest_hash": self.manifest.hash, "tokens": self.stats.tokens,
-                 "loss": loss, "microbatches": asdict(self.stats.counts)}
+                 "loss": loss, "microbatches": asdict(self.stats.counts), "training": self.training}
         await self.run_io(announce, self.dht, trainers_key(self.manifest.run_id), self.peer_id, value)
         if self.acks:
             acks = {"manifest_hash": self.manifest.hash, "acks": dict(self.acks)}
@@ -202,6 +203,7 @@ class Trainer:
         """Train until ``stop`` or ``max_tokens``. With ``max_tokens``, a microbatch is only submitted while the
         completed ones plus those in flight stay below it, so in-flight work never carries the count past it:
         a budget that is a whole number of microbatches ends exactly on it (else within one microbatch)."""
+        self.training = True
         background = asyncio.create_task(self._background(stop))
         workers: set[asyncio.Task] = set()
         per_microbatch = self.manifest.batch.microbatch_size * self.manifest.model.seq_len
@@ -226,6 +228,7 @@ class Trainer:
                 await asyncio.wait(workers, timeout=self.opts.call_timeout_s)
             background.cancel()
             await asyncio.gather(background, return_exceptions=True)
+            self.training = False  # the stages may now step a last partial batch (see ReplicaSync)
             await self.announce()
         return self.stats
 

@@ -373,13 +373,22 @@ class DemoRun:
                                   "replacement": replacement.name})
 
     def after_training(self) -> None:
-        """Note a timeout; else, if asked, stop the trainers and compare the replicas' parameters."""
+        """Note a timeout; else, if asked, stop the trainers, then compare the replicas' parameters and export and
+        sample the trained model."""
         if not self.record.finished:
             self.record.events.append(f"timeout after {self.options.stop.timeout:.0f}s")
-        elif self.options.measure_divergence:
+            return
+        if self.options.measure_divergence or self.options.sample_tokens > 0:
+            # The trainers stop first (they settle and validate on the way out): what is compared or exported is
+            # the model the run ended with, and its download does not compete with training for the peers.
             self.swarm.stop(self.swarm.trainers(), 90)
+        if self.options.measure_divergence:
             self.record.divergence = measure_replica_divergence(self.dht, self.manifest)
-        if self.record.finished and self.options.sample_tokens > 0:
+        if self.options.sample_tokens > 0:
+            # Every stage applies what it was sent first, so the exported stages are of one step.
+            snap = self._read_status(time.time())
+            if snap is not None:
+                self._wait_settled(snap, time.time() + SETTLE_TIMEOUT_S)
             self.record.sample = self.sample_model()
 
     def sample_model(self) -> dict:

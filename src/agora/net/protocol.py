@@ -29,6 +29,7 @@ RETRYABLE = frozenset({
     "banned",  # the peer was banned by SENTINEL somewhere: route around it
     "sentinel",  # a message on this path was flagged as corrupted
     "rate_limited",
+    "batch_full",  # the stage holds its whole target batch and has not stepped yet: later, or another path
 })
 # Of those, the ones that say the peer itself is broken or unreachable: it is banned for a while. A peer that is
 # leaving or not yet serving is healthy; routing just skips it for this microbatch.

@@ -95,6 +95,7 @@ class TrainerRecord:
     tokens: int = 0
     loss: float = float("nan")
     microbatches: dict[str, int] = field(default_factory=dict)
+    training: bool = True  # False once its training loop ended (stages may then step a last partial batch)
     updated: float = 0.0
 
     def to_value(self) -> dict[str, Any]:
@@ -145,6 +146,13 @@ def read_stage(dht: DHT, run_id: str, stage: int, manifest_hash: str) -> list[St
 
 def read_swarm(dht: DHT, run_id: str, n_stages: int, manifest_hash: str) -> list[list[StageRecord]]:
     return [read_stage(dht, run_id, s, manifest_hash) for s in range(n_stages)]
+
+
+def trainers_training(dht: DHT, run_id: str, manifest_hash: str) -> int:
+    """Live trainers of this manifest still in their training loop. A record without the flag counts as
+    training; a trainer that died stops counting when its record expires (``RECORD_TTL_S``)."""
+    return sum(1 for v in read_subkeys(dht, trainers_key(run_id)).values()
+               if isinstance(v, dict) and v.get("manifest_hash") == manifest_hash and v.get("training", True) is not False)
 
 
 def stages_settled(swarm: list[list[StageRecord]], since: float) -> bool:

@@ -63,26 +63,46 @@ class Snapshot:
 
 
 class StateSnapshots:
-    """The snapshots a server is handing out, by token. Bounded: at most ``MAX_SNAPSHOTS``, each dropped after its
-    last page or ``SNAPSHOT_TTL_S`` without a request."""
+    """The snapshots a server is handing out, by token. Bounded: at most ``MAX_SNAPSHOTS`` distinct snapshots, each
+    dropped once every download of it fetched its last page or ``SNAPSHOT_TTL_S`` passed without a request.
+    Downloads of the same step and kind share one snapshot (``join``): a stage's state is copied once, however many
+    replicas fetch it at a time."""
 
     def __init__(self, max_snapshots: int = MAX_SNAPSHOTS, ttl_s: float = SNAPSHOT_TTL_S):
         self.max_snapshots, self.ttl_s = max_snapshots, ttl_s
         self._by_token: dict[str, Snapshot] = {}
+        self._kinds: dict[int, object] = {}  # id(snapshot) -> what it holds (e.g. "params_only")
 
-    def has_room(self) -> bool:
+    def _expire(self) -> None:
         now = time.monotonic()
         for token in [t for t, s in self._by_token.items() if s.expires < now]:
             del self._by_token[token]
-        return len(self._by_token) < self.max_snapshots
+        live = {id(s) for s in self._by_token.values()}
+        self._kinds = {k: v for k, v in self._kinds.items() if k in live}
+
+    def has_room(self) -> bool:
+        self._expire()
+        return len({id(s) for s in self._by_token.values()}) < self.max_snapshots
+
+    def join(self, step: int, fingerprint: object, kind: object = None) -> Optional[str]:
+        """A new token on a live snapshot of ``step`` with this ``fingerprint`` and ``kind``, or None."""
+        self._expire()
+        for snap in self._by_token.values():
+            if snap.step == step and snap.fingerprint == fingerprint and self._kinds.get(id(snap)) == kind:
+                token = secrets.token_hex(8)
+                self._by_token[token] = snap
+                snap.expires = time.monotonic() + self.ttl_s
+                return token
+        return None
 
     def add(self, step: int, fingerprint: object, names: list[str], tensors: list[torch.Tensor],
-            page_bytes: int = PAGE_BYTES) -> str:
+            page_bytes: int = PAGE_BYTES, kind: object = None) -> str:
         if not self.has_room():
             raise transport.RpcError("busy", f"{self.max_snapshots} state downloads are in progress; try again shortly")
         token = secrets.token_hex(8)
-        self._by_token[token] = Snapshot(step, fingerprint, split_pieces(names, tensors, page_bytes),
-                                         time.monotonic() + self.ttl_s)
+        snap = Snapshot(step, fingerprint, split_pieces(names, tensors, page_bytes), time.monotonic() + self.ttl_s)
+        self._by_token[token] = snap
+        self._kinds[id(snap)] = kind
         return token
 
     def serve(self, token: object, offset: object, page_bytes: int = PAGE_BYTES) -> tuple[dict, list[torch.Tensor]]:

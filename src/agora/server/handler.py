@@ -72,6 +72,9 @@ class StageHandler:
         self.manifest = node.manifest
         self._members_lock = asyncio.Lock()
         self.snapshots = StateSnapshots()  # state downloads in progress (``get_state`` pages)
+        # How long a training microbatch may wait for the stage's step when the target batch is complete: half a
+        # hop's timeout, so the caller still has time for our compute and downstream.
+        self.hold_limit_s = node.opts.hop_timeout_s / 2
 
     async def register(self, p2p) -> None:
         ns = self.manifest.run_id
@@ -189,6 +192,14 @@ class StageHandler:
         node, counters = self.node, self.node.counters
         generation, downstream = rt.generation, node.downstream  # this request belongs to the stage served now
         rt.check_generation(generation)
+        sync, samples = node.sync, int(tensors[-1].shape[0])
+        if train and sync is not None:  # one target batch per step (ReplicaSync.batch_open)
+            await sync.admit_training(samples, self.hold_limit_s)
+            try:
+                rt.check_generation(generation)  # the node may have moved while this waited
+            except BaseException:
+                sync.release(samples)
+                raise
         node.inflight += 1
         node.queue += 1
         try:
@@ -215,6 +226,8 @@ class StageHandler:
             raise
         finally:
             node.inflight -= 1
+            if train and sync is not None:
+                sync.release(samples)
             node.queue = max(0, node.queue)
 
     async def _finish_tail(self, rt: StageRuntime, pending: Pending, loss, train: bool):
@@ -245,14 +258,17 @@ class StageHandler:
         if node.state not in (PeerState.SERVING, PeerState.LEAVING) or node.sync is None:
             raise RpcError("not_serving", f"peer is {node.state.value}: its state is not settled")
         token = meta.get("snapshot")
+        kind = "params_only" if meta.get("params_only") else "full"
+        if token is None and node.sync.fingerprint_valid:  # another download of this very state shares its copy
+            token = self.snapshots.join(node.runtime.step, node.sync.fingerprint, kind)
         if token is None:  # a new download: snapshot the state once, so every page is of one step
             if not self.snapshots.has_room():
                 raise RpcError("busy", "other state downloads are in progress here; try another replica or later")
             step, names, state = await node.run_compute(node.runtime.export_state)
-            if meta.get("params_only"):  # an export needs the weights only: a third of the bytes
+            if kind == "params_only":  # an export needs the weights only: a third of the bytes
                 kept = [i for i, n in enumerate(names) if n.startswith("param/")]
                 names, state = [names[i] for i in kept], [state[i] for i in kept]
-            token = self.snapshots.add(step, node.sync.fingerprint, names, state)
+            token = self.snapshots.add(step, node.sync.fingerprint, names, state, kind=kind)
         return self.snapshots.serve(token, meta.get("offset", 0))
 
     async def tied_grad(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -54,6 +56,19 @@ class Counters:
     staleness_max: int = 0
     rejected_by_code: dict[str, int] = field(default_factory=dict)
 
+
+# Runtimes of this process. hivemind starts its averager as a fork of the node; the child never touches the stage,
+# yet it would keep a copy-on-write image of every parameter, gradient and optimizer moment the parent later
+# rewrites (a full extra copy of the stage per node). The child drops them right after the fork.
+_RUNTIMES: "weakref.WeakSet[StageRuntime]" = weakref.WeakSet()
+
+
+def _drop_stage_tensors_in_forked_child() -> None:
+    for rt in list(_RUNTIMES):
+        rt.release_tensors()
+
+
+os.register_at_fork(after_in_child=_drop_stage_tensors_in_forked_child)
 
 PRECISIONS = ("fp32", "bf16")
 BACKWARDS = ("stash", "recompute")
@@ -167,6 +182,23 @@ class StageRuntime:
         self.output_filters: list[OutputFilter] = []
         self._stash_version = -1
         self._stash_weights: Optional[dict] = None
+        _RUNTIMES.add(self)
+
+    def release_tensors(self) -> None:
+        """Free the stage's parameters, gradients, optimizer state and weight stash; the runtime is unusable
+        afterwards. Only for a process forked from the node (see ``_RUNTIMES``)."""
+        self.active = False
+        if self.device.type != "cpu" and self._masters is None:
+            return  # a forked child must not touch CUDA memory; the host holds nothing big here
+        self.optimizer.state.clear()  # on the host: with a CPU device, or offloaded
+        modules = [self._masters] if self.device.type != "cpu" else [self.stage, self._masters]
+        if self.device.type == "cpu":
+            self._stash_weights = None
+        for module in modules:
+            if module is not None:
+                for p in module.parameters():
+                    p.grad = None
+                    p.data = torch.empty(0, dtype=p.dtype)
 
     # ------------------------------------------------------------------ activation (stage moves)
     def activate(self, generation: int) -> None:
@@ -384,13 +416,16 @@ class StageRuntime:
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
 
     # ------------------------------------------------------------------ steps and state
-    def take_gradients(self) -> tuple[int, list[torch.Tensor]]:
-        """Move the accumulated gradient sums out (as means over their samples) and restart accumulation."""
+    def take_gradients(self, dtype: torch.dtype = torch.float64) -> tuple[int, list[torch.Tensor]]:
+        """Move the accumulated gradient sums out (as means over their samples, on the host, in ``dtype``) and
+        restart accumulation. A host gradient already in ``dtype`` is divided in place, not copied: for a big stage
+        every copy here is another stage-sized allocation at the moment all buffers are live."""
         n = self.samples
         grads = []
         for p in self.stage.parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads.append(g.to("cpu", torch.float64) / max(n, 1))  # averaging buffers live on the host
+            g = g.to("cpu", dtype)  # averaging buffers live on the host; no copy when already there in dtype
+            grads.append(g.div_(max(n, 1)))
             p.grad = None
         self.samples = 0
         return n, grads

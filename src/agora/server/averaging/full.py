@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import torch
 
@@ -19,13 +20,22 @@ from agora.server.averaging.sync import ReplicaSync, SyncContext
 
 logger = logging.getLogger("agora.averaging")
 
+# How long a replica holds its step for replicas behind it (a state download of a 100M-parameter stage takes
+# 20-40 s on a loaded 2-core machine, seconds on a real one).
+CATCH_UP_WAIT_S = 45.0
+
 
 class FullSync(ReplicaSync):
     scheme = "full"
+    # The float32 gradients go into the float64 buffers as they are (exact); a float64 copy first would be one more
+    # stage-sized allocation at the moment every buffer is live.
+    gradient_dtype = torch.float32
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)
         self.averager = self._make_averager()
+        self._catch_up_step, self._catch_up_since, self._catch_up_logged = -1, 0.0, False
+        self._gave_up_on: dict[str, int] = {}  # replica -> the step at which we last stopped waiting for it
 
     def _make_averager(self):
         gradients = [torch.zeros_like(p, dtype=torch.float64) for p in self.ctx.runtime.stage.parameters()]
@@ -37,8 +47,9 @@ class FullSync(ReplicaSync):
                 b.copy_(g)
 
     def _averaged(self) -> list[torch.Tensor]:
+        # Cast to the parameters' float32 here (the step casts anyway): half the transient memory of a float64 clone.
         with self.averager.get_tensors() as bufs:
-            return [b.clone() for b in bufs]
+            return [b.float() for b in bufs]
 
     async def _tick(self) -> None:
         c, rt = self.ctx, self.ctx.runtime
@@ -70,4 +81,28 @@ class FullSync(ReplicaSync):
             return
         if rt.samples == 0:
             return
+        behind = [r for r in others if r.state == PeerState.SERVING.value and r.step < rt.step
+                  and r.peer_id not in banned and rt.step - self._gave_up_on.get(r.peer_id, -10**9) > 10]
+        if behind and self._waiting_for(behind, rt.step):
+            return
         await self._step_when_ready(sum(r.samples for r in same), n_others=len(same))
+
+    def _waiting_for(self, behind: list, step: int) -> bool:
+        """Whether to hold our step for replicas behind us, which are downloading our state (or finishing the
+        round we finished first): at most ``CATCH_UP_WAIT_S`` per step. Stepping on would leave them behind again
+        by the time their download lands, and a replica that downloads every step never averages."""
+        now = time.monotonic()
+        if self._catch_up_step != step:
+            self._catch_up_step, self._catch_up_since, self._catch_up_logged = step, now, False
+        waited = now - self._catch_up_since
+        if waited > 5.0 and not self._catch_up_logged:  # a partner a second behind is the usual case: no log
+            self._catch_up_logged = True
+            logger.info(f"stage {self.ctx.stage_index}: waiting up to {CATCH_UP_WAIT_S:.0f}s for "
+                        f"{', '.join(r.peer_id[-8:] for r in behind)} (behind step {step}) to catch up")
+        if waited < CATCH_UP_WAIT_S:
+            return True
+        logger.warning(f"stage {self.ctx.stage_index}: stepping without {', '.join(r.peer_id[-8:] for r in behind)}, "
+                       f"still behind step {step} after {CATCH_UP_WAIT_S:.0f}s")
+        for r in behind:  # a replica that did not catch up in time is not waited for again for 10 steps
+            self._gave_up_on[r.peer_id] = step
+        return False

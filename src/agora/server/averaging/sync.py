@@ -25,10 +25,9 @@ from hivemind import DHT
 
 from agora.config import Manifest
 from agora.model import tied_parameter
-from agora.net import transport
 from agora.net.members import RunMembers
 from agora.net.state_transfer import fetch_state
-from agora.net.records import PeerState, StageRecord, read_stage, read_swarm_bans
+from agora.net.records import PeerState, StageRecord, read_stage, read_swarm_bans, trainers_training
 from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
 from agora.server.averaging.tied import TiedExchange
@@ -88,6 +87,7 @@ class ReplicaSync:
     """The shared loop of every scheme; a subclass says what a round moves (see the module docstring)."""
 
     scheme = "full"
+    gradient_dtype = torch.float64  # what ``round`` takes the accumulated gradients as (a scheme may compute on them)
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
@@ -108,6 +108,9 @@ class ReplicaSync:
         self._announced_samples, self._announced_at = 0, 0.0
         self._banned: set[str] = set()
         self._banned_at = 0.0
+        self._trainers, self._trainers_read_at = 0, 0.0
+        self.admitted = 0  # samples of training microbatches admitted here and not finished yet (``admit_training``)
+        self.others_samples = 0  # what the replicas at our step announced they accumulated (``_note_replicas``)
         ctx.runtime.fingerprint_at = lambda step: self.fingerprint if self.fingerprint_step == step else None
 
     def averager_settings(self) -> dict:
@@ -166,7 +169,9 @@ class ReplicaSync:
     async def replicas(self) -> list[StageRecord]:
         c, m = self.ctx, self.ctx.manifest
         recs = await c.run_io(read_stage, c.dht, m.run_id, c.stage_index, m.hash)
-        return [r for r in recs if r.peer_id != c.peer_id]
+        others = [r for r in recs if r.peer_id != c.peer_id]
+        self._note_replicas(others)
+        return others
 
     async def banned_replicas(self) -> set[str]:
         """Replicas banned by SENTINEL (ours, or published by ``BAN_QUORUM`` other peers), refreshed at most every 2 s."""
@@ -283,8 +288,66 @@ class ReplicaSync:
                        f"downloads in {time.monotonic() - t0:.0f}s); at step {rt.step}")
         return False
 
+    # ------------------------------------------------------------------ one target batch per step
+    def batch_open(self) -> bool:
+        """Whether the stage may take another training microbatch toward its next step: what we accumulated, what
+        we admitted that is still in flight here, and what the replicas at our step announced, stay below the
+        target batch. Every microbatch passes every stage, so stages that each step once per target batch take the
+        same number of steps (a slow all-reduce no longer folds several batches into one step)."""
+        return self.ctx.runtime.samples + self.admitted + self.others_samples < self.target
+
+    async def admit_training(self, samples: int, limit_s: float) -> None:
+        """Wait (up to ``limit_s``) until ``batch_open``, then count ``samples`` as admitted; the caller calls
+        ``release`` when the microbatch is done, whatever happened. ``batch_full`` (retryable) after ``limit_s``."""
+        t0 = time.monotonic()
+        logged = False
+        while not self.batch_open():
+            waited = time.monotonic() - t0
+            if waited > limit_s:
+                raise RpcError("batch_full", f"stage {self.ctx.stage_index} holds its whole target batch and has not "
+                                             f"taken step {self.ctx.runtime.step + 1} for {waited:.0f}s")
+            if not logged and waited > 5.0:
+                logged = True
+                logger.info(f"stage {self.ctx.stage_index}: holding a training microbatch until step "
+                            f"{self.ctx.runtime.step + 1} is taken (the target batch is complete)")
+            await asyncio.sleep(0.05)
+        self.admitted += samples
+
+    def release(self, samples: int) -> None:
+        self.admitted = max(0, self.admitted - samples)
+
+    def _note_replicas(self, recs: list[StageRecord]) -> None:
+        """Remember what the replicas at our step (or one ahead: they applied the step we are still applying)
+        accumulated toward the next step."""
+        step = self.ctx.runtime.step
+        self.others_samples = sum(r.samples for r in recs if r.state == PeerState.SERVING.value
+                                  and step <= r.step <= step + 1)
+
+    async def _watch_during_rounds(self) -> None:
+        """While a round runs the tick loop waits for it: keep ``others_samples`` and our announced count fresh."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.averaging_step == -1 or not self.ctx.is_serving():
+                continue
+            try:
+                if self.ctx.runtime.samples != self._announced_samples:
+                    self._announced_samples, self._announced_at = self.ctx.runtime.samples, time.monotonic()
+                    await self.ctx.announce()
+                await self.replicas()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # the next second retries
+                logger.debug(f"stage {self.ctx.stage_index}: watching replicas failed: {err!r}")
+
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
+        watcher = asyncio.create_task(self._watch_during_rounds(), name="round-watch")
+        try:
+            await self._loop()
+        finally:
+            watcher.cancel()
+
+    async def _loop(self) -> None:
         while True:
             await asyncio.sleep(POLL_S)
             try:
@@ -298,16 +361,33 @@ class ReplicaSync:
 
     async def _step_when_ready(self, others_samples: int, n_others: int) -> None:
         """Announce our sample count while it changes; step once the replicas at our step together hold the
-        target batch (``others_samples`` + ours), or when no sample arrived for ``stall_step_s``."""
+        target batch (``others_samples`` + ours), or, with a partial batch, when no sample arrived for
+        ``stall_step_s`` and no trainer is training any more."""
         c, rt = self.ctx, self.ctx.runtime
         if rt.samples != self._announced_samples and time.monotonic() - self._announced_at > 0.5:
             # Replicas decide from each other's sample counts: keep ours fresh while we accumulate.
             self._announced_samples, self._announced_at = rt.samples, time.monotonic()
             await c.announce()
         total = rt.samples + others_samples
-        stalled = time.monotonic() - rt.last_sample_time > c.stall_step_s
-        if total >= self.target or stalled:
-            await self.round(n_others, stalled=stalled and total < self.target)
+        if total >= self.target:
+            await self.round(n_others)
+        elif time.monotonic() - rt.last_sample_time > c.stall_step_s and not await self._trainers_training():
+            # A partial batch is stepped only once no trainer is in its training loop (the end of a run, or every
+            # trainer gone). While one trains, a stage that waits for samples is only waiting for a slower stage:
+            # stepping then would give stages different step counts and batch sizes (docs/AVERAGING.md).
+            await self.round(n_others, stalled=True)
+
+    async def _trainers_training(self) -> bool:
+        """Whether a live trainer of the run is in its training loop (read at most every 2 s; True if unreadable)."""
+        c, m = self.ctx, self.ctx.manifest
+        if time.monotonic() - self._trainers_read_at > 2.0:
+            self._trainers_read_at = time.monotonic()
+            try:
+                self._trainers = await c.run_io(trainers_training, c.dht, m.run_id, m.hash)
+            except Exception as err:  # keep waiting: a wrong partial step is worse than a late one
+                logger.debug(f"reading the trainers failed: {err!r}")
+                self._trainers = 1
+        return self._trainers > 0
 
     async def _start_round(self, weight: float, gather: dict) -> Any:
         """Start a hivemind round with our buffers (already loaded); returns its StepControl."""
@@ -388,7 +468,7 @@ class ReplicaSync:
         """Take this replica's next step: averaged with ``n_others`` replicas at our step, or on our own."""
         c, rt = self.ctx, self.ctx.runtime
         t0 = time.monotonic()
-        samples, grads = await c.run_compute(rt.take_gradients)
+        samples, grads = await c.run_compute(rt.take_gradients, self.gradient_dtype)
         averaged, group = await self._group_average(samples, grads, n_others) if n_others > 0 else (None, 1)
         local = averaged is None
         if local:

@@ -26,7 +26,7 @@ from agora.net.transport import RpcError
 
 logger = logging.getLogger("agora.averaging")
 
-KEEP_STEPS = 4  # offered gradients kept for late askers (each is vocab x d_model floats)
+KEEP_STEPS = 2  # offered gradients kept for late askers (each is vocab x d_model floats; stages step in lockstep)
 
 
 class TiedExchange:

@@ -1,0 +1,111 @@
+"""Every stage steps once per target batch: a replica admits training microbatches only while its stage holds less
+than the target batch (``ReplicaSync.admit_training``), and steps on a partial batch only once no trainer trains."""
+
+import asyncio
+
+import pytest
+
+from agora.config import load_manifest
+from agora.net.records import PeerState, StageRecord
+from agora.net.transport import RpcError
+from agora.server.averaging.sync import ReplicaSync, SyncContext
+from agora.server.observers import Observers
+from agora.server.runtime import Counters, StageRuntime
+
+
+def _sync() -> ReplicaSync:
+    manifest = load_manifest("tiny")
+    rt = StageRuntime(manifest, 0, Counters(), Observers())
+
+    async def unused(*args):
+        raise AssertionError("this test reads and announces nothing")
+
+    ctx = SyncContext(manifest=manifest, runtime=rt, dht=None, p2p=None, peer_id="QmSelf", averaging_timeout_s=1.0,
+                      stall_step_s=10.0, run_compute=unused, run_io=unused, announce=unused,
+                      log_event=lambda *a, **k: None, is_serving=lambda: True, local_bans=set, members=None,
+                      observers=Observers())
+    return ReplicaSync(ctx)
+
+
+def _replica(step: int, samples: int, state: str = PeerState.SERVING.value) -> StageRecord:
+    return StageRecord(peer_id="QmOther", stage=0, state=state, manifest_hash="h", step=step, samples=samples)
+
+
+def test_a_stage_holds_training_microbatches_once_its_replicas_hold_the_target_batch():
+    sync = _sync()
+    rt, target = sync.ctx.runtime, sync.target
+    assert target == 16
+
+    async def scenario():
+        await sync.admit_training(8, 1.0)  # in flight here
+        rt.samples = 4  # accumulated here
+        sync._note_replicas([_replica(rt.step, 4)])  # announced by the other replica at our step: 16 in all
+        assert not sync.batch_open()
+        with pytest.raises(RpcError) as err:
+            await sync.admit_training(8, 0.2)
+        assert err.value.code == "batch_full"
+        waiting = asyncio.create_task(sync.admit_training(8, 5.0))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # held, not refused
+        sync.release(8)  # the in-flight microbatch finished: accumulated now
+        rt.samples = 12
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        rt.samples = 0  # the step took the batch; the other replica announced its reset
+        sync._note_replicas([_replica(rt.step + 1, 0)])
+        await asyncio.wait_for(waiting, 2.0)
+        assert sync.admitted == 8
+
+    asyncio.run(scenario())
+
+
+def test_only_replicas_that_serve_at_our_step_or_one_ahead_count():
+    sync = _sync()
+    step = sync.ctx.runtime.step
+    sync._note_replicas([_replica(step, 3), _replica(step + 1, 5), _replica(step + 2, 100),
+                         _replica(step, 100, PeerState.SYNCING.value)])
+    assert sync.others_samples == 8
+    sync.release(10**6)  # a release never drives the count below zero
+    assert sync.admitted == 0
+
+
+def test_a_partial_batch_is_stepped_only_once_no_trainer_trains():
+    from agora.net.records import trainers_training
+
+    training = {"n": 1}
+    rounds = []
+
+    class Recording(ReplicaSync):
+        async def round(self, n_others: int, stalled: bool = False) -> None:
+            rounds.append(stalled)
+
+    manifest = load_manifest("tiny")
+    rt = StageRuntime(manifest, 0, Counters(), Observers())
+
+    async def run_io(fn, *args):
+        assert fn is trainers_training
+        return training["n"]
+
+    async def announce():
+        pass
+
+    ctx = SyncContext(manifest=manifest, runtime=rt, dht=None, p2p=None, peer_id="QmSelf", averaging_timeout_s=1.0,
+                      stall_step_s=0.1, run_compute=None, run_io=run_io, announce=announce,
+                      log_event=lambda *a, **k: None, is_serving=lambda: True, local_bans=set, members=None,
+                      observers=Observers())
+    sync = Recording(ctx)
+
+    async def scenario():
+        rt.samples = 4
+        rt.last_sample_time -= 60  # nothing arrived for a minute: a slower stage, while a trainer trains
+        await sync._step_when_ready(0, n_others=0)
+        assert rounds == []
+        training["n"] = 0
+        sync._trainers_read_at = 0.0  # the next look reads the trainers again
+        await sync._step_when_ready(0, n_others=0)
+        assert rounds == [True]  # the run's last, partial batch
+        rt.samples = 16
+        await sync._step_when_ready(0, n_others=0)
+        assert rounds == [True, False]  # a full batch steps at once
+
+    asyncio.run(scenario())
