@@ -376,16 +376,19 @@ def test_restart_from_checkpoints_continues_training(tmp_path):
 
 
 def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behind(tmp_path):
-    """Real processes: every 8 s the main process of a serving stage peer is SIGKILLed (never the last of its
-    stage; only the main process, as the OOM killer does) and a replacement starts with ``--stage auto``. Training
-    goes on, replicas end bit-identical, the killed peers' helpers exit on their own, survivors leave gracefully and
-    quickly, and no process of the run is left."""
-    from agora.lab.demo import run_demo
+    """Real processes, a fault every 8 s in turn (``--chaos-fault mixed``): the bootstrap peer's process tree is
+    SIGKILLed, a stage peer's process group is SIGKILLed and replaced by a node that can only join through live
+    peers, a stage peer is frozen (SIGSTOP) for 6 s, a stage peer's main process alone is SIGKILLed (as the OOM
+    killer does). Training goes on, replicas end bit-identical, the killed peers' helpers exit on their own,
+    survivors leave gracefully and quickly, stages end at equal steps, and no process of the run is left."""
+    from agora.lab.demo import ChaosOptions, DemoOptions, DemoRun, StopRule, SwarmShape
 
     out = tmp_path / "chaos"
+    options = DemoOptions(out=out, shape=SwarmShape(preset="tiny", stages=2, replicas=2, val_batches=2),
+                          stop=StopRule(steps=10**6, train_seconds=38, timeout=420), live=False,
+                          chaos=ChaosOptions(every_s=8.0, fault="mixed", stop_s=6.0), measure_divergence=True)
     try:
-        summary = run_demo(preset="tiny", stages=2, replicas=2, steps=10**6, train_seconds=30, chaos=8.0, out=out,
-                           live=False, timeout=420, val_batches=2, measure_divergence=True, chaos_fault="kill-main")
+        summary = DemoRun(options).run()
     finally:
         time.sleep(1)
         leftovers = _processes_mentioning(str(out))
@@ -393,14 +396,22 @@ def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behi
     assert leftovers == [], leftovers
     assert summary["finished"]
     kills = summary["chaos_kills"]
-    assert len(kills) >= 2 and all(k["stage"] in (0, 1) for k in kills)
-    assert summary["chaos_fault"] == "kill-main" and summary["chaos_orphans"] == 0, summary["chaos_orphans"]
+    assert [k["fault"] for k in kills[:4]] == ["kill-bootstrap", "kill", "stop", "kill-main"], kills
+    assert all(k["stage"] in (0, 1) for k in kills[1:])
+    assert summary["chaos_fault"] == "mixed" and summary["chaos_orphans"] == 0, summary["chaos_orphans"]
+    # The replacement of the first killed stage peer started after the bootstrap peer was dead: it joined through
+    # the live peers' addresses and served.
+    replacement_log = (out / "logs" / f"{kills[1]['replacement']}.log").read_text()
+    assert "serving at step" in replacement_log, replacement_log[-2000:]
     mb = summary["microbatches"]
     assert mb["completed"] >= 20 and mb["submitted"] == mb["completed"] + mb["abandoned"]
     assert mb["abandoned"] <= mb["completed"] // 5, mb
     # Completions keep coming: no gap longer than the slowest failure path (a kill, a retry, a timeout).
     done = [c[1] for c in summary["completions"]]
     assert max(b - a for a, b in zip(done, done[1:])) < 30.0
+    assert any(t > kills[0]["t"] + 10 for t in done)  # well after the bootstrap peer died
+    steps = summary["steps_per_stage"]
+    assert max(steps.values()) - min(steps.values()) <= 1, steps
     killed = {k["killed"] for k in kills}
     for node in summary["nodes"]:
         if node["name"] not in killed:

@@ -167,7 +167,10 @@ def bench_chaos(
     stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=2),
     kill_every: float = typer.Option(20.0, help="seconds between chaos kills"),
     fault: str = typer.Option("kill", help="kill: a victim's process group; kill-main: its main process only, as "
-                                           "the OOM killer does (its orphaned helpers are counted)"),
+                                           "the OOM killer does (its orphaned helpers are counted); stop: SIGSTOP a "
+                                           "peer for --stop-s, then SIGCONT; kill-bootstrap: the bootstrap peer "
+                                           "dies (once); mixed: these in turn"),
+    stop_s: float = typer.Option(40.0, help="how long a 'stop' fault freezes its victim"),
 ) -> None:
     """Training under churn vs without: steps/min, kill-to-next-microbatch, stalls, abandoned work, loss, drift."""
     from agora.bench.chaos import ChaosBenchOptions, run
@@ -177,7 +180,7 @@ def bench_chaos(
         console.print(f"[red]error:[/red] --fault must be one of {', '.join(CHAOS_FAULTS)}, got {fault!r}")
         raise typer.Exit(2)
     options = ChaosBenchOptions(minutes=minutes, preset=preset, stages=stages, replicas=replicas, kill_every=kill_every,
-                                fault=fault)
+                                fault=fault, stop_s=stop_s)
     result = run(out, options, log=console.print)
     print(json.dumps(result["headline"], indent=2))
 
@@ -432,7 +435,10 @@ def demo(
     chaos: Optional[float] = typer.Option(None, help="every SECONDS, SIGKILL a random stage peer and start a replacement"),
     chaos_last: bool = typer.Option(False, help="let chaos kill the last peer of a stage too"),
     chaos_fault: str = typer.Option("kill", help="kill: SIGKILL a peer's process group; kill-main: only its main "
-                                                 "process, as the OOM killer does (orphans are counted)"),
+                                                 "process, as the OOM killer does (orphans are counted); stop: "
+                                                 "SIGSTOP a peer for --chaos-stop-s, then SIGCONT; kill-bootstrap: "
+                                                 "the bootstrap peer dies (once); mixed: these in turn"),
+    chaos_stop_s: float = typer.Option(40.0, help="how long a 'stop' fault freezes its victim"),
     dashboard: bool = typer.Option(False, help="also serve the live dashboard"),
     dashboard_port: int = typer.Option(8080),
     timeout: float = typer.Option(1800.0, help="give up after this many seconds"),
@@ -484,7 +490,7 @@ def demo(
         shape=SwarmShape(preset=preset, stages=stages, replicas=replicas, trainers=trainers, in_flight=in_flight,
                          threads=threads, residual=residual, averaging=averaging),
         stop=StopRule(steps=steps, timeout=timeout),
-        chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last, fault=chaos_fault),
+        chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last, fault=chaos_fault, stop_s=chaos_stop_s),
         link=LinkOptions(mbps=link_mbps, latency_ms=link_latency_ms, backend=link_backend),
         nodes=NodeExtras(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                          args=["--device", device, "--precision", precision, "--backward", backward]),

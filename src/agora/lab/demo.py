@@ -41,7 +41,8 @@ from agora.lab.processes import Child, Swarm, read_json
 logger = logging.getLogger("agora.demo")
 
 ORPHAN_GRACE_S = 5.0  # a killed peer's helpers must exit on their own within this
-CHAOS_FAULTS = ("kill", "kill-main")
+CHAOS_FAULTS = ("kill", "kill-main", "stop", "kill-bootstrap", "mixed")
+MIXED_FAULTS = ("kill-bootstrap", "kill", "stop", "kill-main")  # ``mixed`` takes these in turn
 
 __all__ = [  # the setup and process classes stay importable from here, where callers have always found them
     "ChaosOptions", "Child", "DemoOptions", "DemoRun", "LINK_BACKENDS", "LinkOptions", "LinkPlan", "LocalAuthority",
@@ -101,12 +102,16 @@ class ChaosOptions:
     """Every ``every_s`` seconds (None: never) SIGKILL a random serving stage peer and start a replacement with
     ``--stage auto``; the last serving peer of a stage only with ``kill_last``. ``seed`` picks the victims.
     ``fault``: "kill" SIGKILLs the victim's whole process group; "kill-main" only its main process (as the OOM
-    killer does), and the summary counts its helper processes still alive 5 s later (``chaos_orphans``)."""
+    killer does), and the summary counts its helper processes still alive 5 s later (``chaos_orphans``); "stop"
+    freezes the victim's whole process group with SIGSTOP for ``stop_s`` seconds, then SIGCONT (a laptop lid, a
+    swapping machine: no replacement is started); "kill-bootstrap" SIGKILLs the bootstrap peer's process group (once;
+    later joiners enter through live peers); "mixed" takes kill-bootstrap, kill, stop and kill-main in turn."""
 
     every_s: Optional[float] = None
     kill_last: bool = False
     seed: int = 0
     fault: str = "kill"
+    stop_s: float = 40.0
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,7 @@ class DemoRun:
         console.print(self.plan.describe())
         self.rng = random.Random(options.chaos.seed)
         self.killed_helpers: list[tuple[list, float]] = []  # (helpers of a kill-main victim, when they must be gone)
+        self.frozen: list[tuple[Child, float]] = []  # ("stop" victims, when they get SIGCONT)
         self.record = RunRecord(t0=time.time())
         self.topology: Optional[netem.NetnsTopology] = None
         self.observer: Optional[netem.NetnsPeer] = None  # the namespace of the demo's own DHT client (netns)
@@ -305,6 +311,7 @@ class DemoRun:
                 dead = [c for c in self.swarm.trainers() if not c.alive]
                 if dead:
                     raise RuntimeError(f"trainer {dead[0].name} exited early; see {dead[0].log}")
+                self.thaw()
                 if next_kill and time.time() >= next_kill:
                     self.chaos_kill(snap)
                     next_kill = time.time() + every
@@ -355,22 +362,58 @@ class DemoRun:
             self.options.on_tick(snap)
 
     def chaos_kill(self, snap: dict) -> None:
-        """SIGKILL one random serving stage peer (which stage it serves is read from the DHT, since peers choose
-        and move) and start a replacement with ``--stage auto``; nothing when no peer may be killed."""
-        candidates = _chaos_candidates(self.swarm, snap, self.options.chaos.kill_last)
+        """One chaos fault (``ChaosOptions.fault``): a random serving stage peer (which stage it serves is read
+        from the DHT, since peers choose and move) is SIGKILLed and replaced by a node with ``--stage auto``, or
+        frozen for a while, or the bootstrap peer dies; nothing when no peer may be hit."""
+        chaos = self.options.chaos
+        fault = chaos.fault
+        if fault == "mixed":
+            fault = MIXED_FAULTS[len(self.record.kills) % len(MIXED_FAULTS)]
+        t = time.time() - self.record.t0
+        if fault == "kill-bootstrap":
+            boot = self.swarm.bootstrap()
+            if boot is not None and boot.alive:
+                boot.kill_group()
+                self.record.events.append(f"{t:.0f}s: chaos killed the bootstrap peer {boot.name}")
+                self.record.kills.append({"t": t, "fault": fault, "killed": boot.name, "peer_id": None,
+                                          "stage": None, "replacement": None})
+                return
+            fault = "kill"  # it is gone already: kill a stage peer instead
+        frozen = frozenset(k["peer_id"] for k in self.record.kills
+                           if k["fault"] == "stop" and k["killed"] in {v.name for v, _ in self.frozen})
+        candidates = _chaos_candidates(self.swarm, snap, chaos.kill_last, frozen)
         if not candidates:
             return
         victim, peer_id, stage = self.rng.choice(candidates)
-        if self.options.chaos.fault == "kill-main":
+        if fault == "stop":
+            victim.signal_group(signal.SIGSTOP)
+            self.frozen.append((victim, time.monotonic() + chaos.stop_s))
+            self.record.events.append(f"{t:.0f}s: chaos froze {victim.name} (stage {stage}) for {chaos.stop_s:g}s")
+            self.record.kills.append({"t": t, "fault": fault, "killed": victim.name, "peer_id": peer_id,
+                                      "stage": stage, "replacement": None, "frozen_s": chaos.stop_s})
+            return
+        if fault == "kill-main":
             self.killed_helpers.append((victim.kill_main(), time.monotonic() + ORPHAN_GRACE_S))
         else:
             victim.kill_group()
-        replacement = self.swarm.start_node(None)
-        t = time.time() - self.record.t0
-        self.record.events.append(f"{t:.0f}s: chaos killed {victim.name} (stage {stage}); started "
+        live = [a for st in snap["stages"] for p in st["peers"] if p["peer_id"] != peer_id
+                for a in (p.get("addrs") or [])[:1]]
+        replacement = self.swarm.start_node(None, more_peers=live[:4])
+        self.record.events.append(f"{t:.0f}s: chaos killed {victim.name} (stage {stage}, {fault}); started "
                                   f"{replacement.name} with --stage auto")
-        self.record.kills.append({"t": t, "killed": victim.name, "peer_id": peer_id, "stage": stage,
+        self.record.kills.append({"t": t, "fault": fault, "killed": victim.name, "peer_id": peer_id, "stage": stage,
                                   "replacement": replacement.name})
+
+    def thaw(self, everyone: bool = False) -> None:
+        """SIGCONT frozen peers whose time is up (``everyone``: all of them, before the demo stops)."""
+        still = []
+        for victim, until in self.frozen:
+            if everyone or time.monotonic() >= until:
+                victim.signal_group(signal.SIGCONT)
+                self.record.events.append(f"{time.time() - self.record.t0:.0f}s: chaos thawed {victim.name}")
+            else:
+                still.append((victim, until))
+        self.frozen = still
 
     def after_training(self) -> None:
         """Note a timeout; else, if asked, stop the trainers, then compare the replicas' parameters and export and
@@ -419,6 +462,7 @@ class DemoRun:
         """Stop the DHT client and every process; remove the namespaces even if that fails (or is interrupted by
         a second Ctrl-C), with anything still running inside them: no namespace outlives the demo."""
         try:
+            self.thaw(everyone=True)  # a frozen process cannot leave
             if self.dht is not None:
                 self.dht.shutdown()
             if self.swarm is not None:
@@ -611,10 +655,13 @@ def _wait_for_trainers(dht, manifest: Manifest, trainers: int, swarm: Swarm, tim
     raise TimeoutError(f"the trainers did not announce themselves within {timeout:.0f}s")
 
 
-def _chaos_candidates(swarm: Swarm, snap: dict, allow_last: bool) -> list[tuple[Child, str, int]]:
+def _chaos_candidates(swarm: Swarm, snap: dict, allow_last: bool,
+                      frozen: frozenset = frozenset()) -> list[tuple[Child, str, int]]:
     """Running nodes chaos may kill, with the peer id and stage the DHT says they serve: not the last serving
-    peer of its stage unless ``allow_last``."""
-    serving = {p["peer_id"]: st["stage"] for st in snap["stages"] for p in st["peers"] if p["state"] == "serving"}
+    peer of its stage unless ``allow_last``; ``frozen`` peer ids (SIGSTOPped, their records not expired yet) count
+    as gone."""
+    serving = {p["peer_id"]: st["stage"] for st in snap["stages"] for p in st["peers"]
+               if p["state"] == "serving" and p["peer_id"] not in frozen}
     per_stage: dict[int, int] = {}
     for stage in serving.values():
         per_stage[stage] = per_stage.get(stage, 0) + 1

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import psutil
 from rich.console import Console
@@ -72,6 +72,14 @@ class Child:
         except subprocess.TimeoutExpired:
             pass
         return helpers
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's whole session (e.g. SIGSTOP/SIGCONT: a laptop lid closing and opening)."""
+        if self.alive:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def kill_group(self) -> None:
         """SIGKILL the child's whole session (its hivemind DHT/averager processes and p2pd included)."""
@@ -161,9 +169,11 @@ class Swarm:
             time.sleep(0.2)
         raise TimeoutError(f"bootstrap did not print its address within {timeout:.0f}s; see {child.log}")
 
-    def start_node(self, stage: Optional[int]) -> Child:
-        """Start a stage node for ``stage`` (None: ``--stage auto``, the node picks the weakest stage)."""
-        args = ["--manifest", str(self.manifest_path), "--initial-peers", self.maddr,
+    def start_node(self, stage: Optional[int], more_peers: Sequence[str] = ()) -> Child:
+        """Start a stage node for ``stage`` (None: ``--stage auto``, the node picks the weakest stage), joining
+        through the bootstrap peer and ``more_peers`` (live peers' addresses: the bootstrap peer may be dead)."""
+        peers = [self.maddr, *[p for p in more_peers if p != self.maddr]]
+        args = ["--manifest", str(self.manifest_path), *[a for p in peers for a in ("--initial-peers", p)],
                 "--stage", "auto" if stage is None else str(stage), "--threads", str(self.threads),
                 *self.extra_node_args]
         return self._spawn("node", args, stage)
@@ -207,6 +217,9 @@ class Swarm:
                 console.print(f"[yellow]{c.name} did not leave within {timeout:.0f}s; killing it[/yellow]")
         for c in children:
             c.kill_group()  # also reaps hivemind helpers that outlived a graceful exit
+
+    def bootstrap(self) -> Optional[Child]:
+        return next((c for c in self.children if c.role == "bootstrap"), None)
 
     def trainers(self) -> list[Child]:
         """Every trainer ever started, running or not."""
