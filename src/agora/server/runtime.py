@@ -13,6 +13,7 @@ gradient is then moved to the live parameters. ``version`` counts every change o
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import os
@@ -69,6 +70,16 @@ def _drop_stage_tensors_in_forked_child() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_stage_tensors_in_forked_child)
+
+
+def trim_heap() -> None:
+    """Give the freed part of the heap back to the system (glibc): after a state download or upload, whose
+    stage-sized copies would otherwise stay in the process as free heap. Not per step: re-faulting the pages of
+    every freed activation would cost more than it saves."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 PRECISIONS = ("fp32", "bf16")
 BACKWARDS = ("stash", "recompute")

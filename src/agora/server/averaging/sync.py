@@ -32,7 +32,7 @@ from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
 from agora.server.averaging.tied import TiedExchange
 from agora.server.observers import Observers
-from agora.server.runtime import StageRuntime
+from agora.server.runtime import StageRuntime, trim_heap
 
 logger = logging.getLogger("agora.averaging")
 
@@ -242,6 +242,9 @@ class ReplicaSync:
         except ValueError as err:  # a malformed state must not replace ours
             logger.warning(f"state from {peer.peer_id[-8:]} refused: {err}")
             return False
+        finally:
+            reply = names = tensors = None  # drop our references (the closure holds them too)
+            await c.run_io(trim_heap)  # the received copy is freed now
         self.resyncs += 1
         c.log_event("synced", source=peer.peer_id, step=rt.step, seconds=time.monotonic() - t0)
         logger.info(f"stage {c.stage_index}: loaded step {rt.step} from {peer.peer_id[-8:]} in "
