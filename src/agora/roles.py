@@ -8,7 +8,6 @@ benchmarks can add up CPU time, bytes and microbatches across processes.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from agora.net.records import ANNOUNCE_PERIOD_S, read_swarm
 from agora.net.routing import drop_stale, pick_stage
 from agora.ops.metrics import serve_node_metrics
 from agora.server.node import NodeOptions, StageNode
+from agora.server.runtime import return_freed_memory_to_the_system
 
 logger = logging.getLogger("agora")
 
@@ -198,28 +198,6 @@ async def _serve(node: StageNode, summary: Optional[str], rounds: RoundClock) ->
             _write(summary, node_summary(node, rounds))
             last_summary = time.monotonic()
     await node.stop()
-
-
-# glibc raises its mmap threshold after every freed large block (up to 32 MiB), after which big buffers (gradients,
-# averaging copies, state snapshot pieces) come from the heap and stay in the process when freed. A fixed threshold
-# keeps every block over 8 MiB in its own mapping, returned to the system on free. Not lower: at 1 MiB every
-# activation of a `small` microbatch was a fresh mapping, and page faults made forward+backward 60% slower.
-# Two malloc arenas instead of one per thread (8 x cores): the compute thread, the DHT pool and the event loop free
-# each other's blocks, and every extra arena keeps its own freed memory.
-MMAP_THRESHOLD_BYTES = 8 << 20
-MALLOC_ARENAS = 2
-_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt's parameter numbers (malloc.h)
-
-
-def return_freed_memory_to_the_system() -> bool:
-    """Fix glibc's mmap threshold and arena count for this process (call it before starting threads); False where
-    the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-            libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS))
-    except (OSError, AttributeError):
-        return False
 
 
 def run_node(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpoint, options: NodeOptions,

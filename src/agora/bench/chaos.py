@@ -20,6 +20,7 @@ replica at the end):
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -144,9 +145,7 @@ def run(out: Path, options: Optional[ChaosBenchOptions] = None, log: Callable[[s
     headline = _headline(a, b)
     goals = _goals(headline)
     md = _markdown(a, b, headline, goals)
-    faults = {}
-    for k in chaos["chaos_kills"]:
-        faults[k.get("fault", opts.fault)] = faults.get(k.get("fault", opts.fault), 0) + 1
+    faults = dict(Counter(k.get("fault", opts.fault) for k in chaos["chaos_kills"]))
     md += (f"\nfault: {opts.fault} ({', '.join(f'{n} x {f}' for f, n in faults.items()) or 'none happened'}); helper "
            f"processes of killed peers still alive 5 s after their main process died: {chaos['chaos_orphans']}; "
            f"steps per stage at the end: clean {a['steps_per_stage']}, chaos {b['steps_per_stage']}\n")

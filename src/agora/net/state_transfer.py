@@ -45,6 +45,7 @@ class Snapshot:
     fingerprint: object
     pieces: list
     expires: float = field(default=0.0)
+    kind: object = None  # what it holds (e.g. "params_only"): downloads of another kind do not share it
 
     def page(self, offset: int, page_bytes: int) -> tuple[list[str], list, list[torch.Tensor], Optional[int]]:
         """Pieces from ``offset`` up to ``page_bytes`` (at least one): names, row ranges, tensors, next offset."""
@@ -71,14 +72,11 @@ class StateSnapshots:
     def __init__(self, max_snapshots: int = MAX_SNAPSHOTS, ttl_s: float = SNAPSHOT_TTL_S):
         self.max_snapshots, self.ttl_s = max_snapshots, ttl_s
         self._by_token: dict[str, Snapshot] = {}
-        self._kinds: dict[int, object] = {}  # id(snapshot) -> what it holds (e.g. "params_only")
 
     def _expire(self) -> None:
         now = time.monotonic()
         for token in [t for t, s in self._by_token.items() if s.expires < now]:
             del self._by_token[token]
-        live = {id(s) for s in self._by_token.values()}
-        self._kinds = {k: v for k, v in self._kinds.items() if k in live}
 
     def has_room(self) -> bool:
         self._expire()
@@ -88,7 +86,7 @@ class StateSnapshots:
         """A new token on a live snapshot of ``step`` with this ``fingerprint`` and ``kind``, or None."""
         self._expire()
         for snap in self._by_token.values():
-            if snap.step == step and snap.fingerprint == fingerprint and self._kinds.get(id(snap)) == kind:
+            if snap.step == step and snap.fingerprint == fingerprint and snap.kind == kind:
                 token = secrets.token_hex(8)
                 self._by_token[token] = snap
                 snap.expires = time.monotonic() + self.ttl_s
@@ -100,9 +98,8 @@ class StateSnapshots:
         if not self.has_room():
             raise transport.RpcError("busy", f"{self.max_snapshots} state downloads are in progress; try again shortly")
         token = secrets.token_hex(8)
-        snap = Snapshot(step, fingerprint, split_pieces(names, tensors, page_bytes), time.monotonic() + self.ttl_s)
-        self._by_token[token] = snap
-        self._kinds[id(snap)] = kind
+        self._by_token[token] = Snapshot(step, fingerprint, split_pieces(names, tensors, page_bytes),
+                                         time.monotonic() + self.ttl_s, kind)
         return token
 
     def serve(self, token: object, offset: object, page_bytes: int = PAGE_BYTES) -> tuple[dict, list[torch.Tensor]]:

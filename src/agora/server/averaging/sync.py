@@ -333,9 +333,7 @@ class ReplicaSync:
             if self.averaging_step == -1 or not self.ctx.is_serving():
                 continue
             try:
-                if self.ctx.runtime.samples != self._announced_samples:
-                    self._announced_samples, self._announced_at = self.ctx.runtime.samples, time.monotonic()
-                    await self.ctx.announce()
+                await self._announce_samples(min_interval_s=0.0)
                 await self.replicas()
             except asyncio.CancelledError:
                 raise
@@ -362,15 +360,20 @@ class ReplicaSync:
             except Exception as err:  # keep the node alive; the next tick retries with fresh records
                 logger.warning(f"stage {self.ctx.stage_index} sync tick failed: {err!r}", exc_info=True)
 
+    async def _announce_samples(self, min_interval_s: float) -> None:
+        """Publish our record when our sample count changed (at most every ``min_interval_s``): replicas decide
+        when to step, and how much to admit, from each other's counts."""
+        samples = self.ctx.runtime.samples
+        if samples != self._announced_samples and time.monotonic() - self._announced_at > min_interval_s:
+            self._announced_samples, self._announced_at = samples, time.monotonic()
+            await self.ctx.announce()
+
     async def _step_when_ready(self, others_samples: int, n_others: int) -> None:
         """Announce our sample count while it changes; step once the replicas at our step together hold the
         target batch (``others_samples`` + ours), or, with a partial batch, when no sample arrived for
         ``stall_step_s`` and no trainer is training any more."""
         c, rt = self.ctx, self.ctx.runtime
-        if rt.samples != self._announced_samples and time.monotonic() - self._announced_at > 0.5:
-            # Replicas decide from each other's sample counts: keep ours fresh while we accumulate.
-            self._announced_samples, self._announced_at = rt.samples, time.monotonic()
-            await c.announce()
+        await self._announce_samples(min_interval_s=0.5)
         total = rt.samples + others_samples
         if total >= self.target:
             await self.round(n_others)
