@@ -314,7 +314,9 @@ class DemoRun:
                 self.thaw()
                 if next_kill and time.time() >= next_kill:
                     self.chaos_kill(snap)
-                    next_kill = time.time() + every
+                    # On a fixed schedule (every ``every`` s from the start of training), so slow status reads or a
+                    # slow fault do not push later faults out of a run of fixed length; never two in a row.
+                    next_kill = max(next_kill + every, time.time() + every / 2)
                 time.sleep(1.0)
         return False
 
