@@ -174,6 +174,10 @@ def test_demo_end_to_end(tmp_path):
     assert 0 <= mb["retried"] and mb["abandoned"] <= mb["submitted"], mb
     assert min(summary["steps_per_stage"].values()) >= 3
     assert summary["bytes_per_boundary"]["0->1"] > 0
+    # Honest traffic never meets the nodes' limits on incoming requests (net/admission.py).
+    incoming = [n["incoming"] for n in summary["nodes"]]
+    assert all(i is not None and i["refused"] == {} and i["peak_buffered_bytes"] <= i["budget_bytes"]
+               for i in incoming), incoming
     curve = [p["loss"] for p in summary["loss_curve"]]
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3  # the loss went down
     assert (out / "report.html").exists() and "data:image/png;base64" in (out / "report.html").read_text()

@@ -185,6 +185,20 @@ def bench_chaos(
     print(json.dumps(result["headline"], indent=2))
 
 
+@bench_app.command("hostile")
+def bench_hostile(
+    out: Path = typer.Option(Path("bench-out/hostile")),
+    preset: str = typer.Option("tiny"),
+    rounds: int = typer.Option(30, min=1, help="rounds (one target batch each) per phase"),
+    repeats: int = typer.Option(3, min=1),
+) -> None:
+    """Step time of a 2-stage swarm with and without outsiders' hostile streams; the node's buffered bytes."""
+    from agora.bench.hostile import run
+
+    result = run(out, preset=preset, rounds=rounds, repeats=repeats, log=console.print)
+    print(json.dumps(result["headline"], indent=2))
+
+
 @bench_app.command("rpc")
 def bench_rpc(
     out: Path = typer.Option(Path("bench-out/rpc")),
@@ -334,6 +348,9 @@ def node(
     backward: str = typer.Option("stash", help="stash: keep each in-flight microbatch's graph; recompute: keep its "
                                                "input and re-run the forward at backward time (less memory)"),
     offload_optimizer: bool = typer.Option(False, help="keep fp32 master weights and Adam moments in host RAM"),
+    incoming_budget_mib: Optional[float] = typer.Option(
+        None, min=1, help="MiB of incoming requests all peers together may make this node buffer (default: two "
+                          "of the run's largest requests, at least 4)"),
     certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
 ) -> None:
@@ -355,7 +372,8 @@ def node(
                   + (", optimizer offloaded to host RAM" if compute.offload_optimizer else ""))
     opts = NodeOptions(compute=compute, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
                        rebalance_every_s=rebalance_every, sentinel=sentinel or sentinel_log is not None,
-                       sentinel_log=sentinel_log)
+                       sentinel_log=sentinel_log,
+                       incoming_budget_bytes=int(incoming_budget_mib * 2**20) if incoming_budget_mib else None)
     setup = None
     if attack:
         from agora.lab.attacks import install_attack

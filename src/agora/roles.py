@@ -176,7 +176,10 @@ def _build_node(dht, manifest: Manifest, options: NodeOptions, run: NodeRun, hos
     index = _stage_to_serve(dht, manifest, run.stage)
     check_memory(manifest, index)
     # The node reads --resume for whichever stage it serves, now or after a move.
-    node = StageNode(manifest, index, dht, replace(options, resume_dir=run.resume) if run.resume else options)
+    try:
+        node = StageNode(manifest, index, dht, replace(options, resume_dir=run.resume) if run.resume else options)
+    except ValueError as err:  # e.g. an incoming-request budget this host cannot afford
+        raise JoinError(str(err), 2) from err
     if run.metrics_port is not None:
         serve_node_metrics(node, run.metrics_port, host=host)  # same interface as the node's listener
     if run.setup is not None:
@@ -254,6 +257,7 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         # sender is judged no more, so its count is the number of its messages it took to ban it).
         "banned": sorted(node.banned_peers()),
         "sentinel": node.sentinel.summary() if node.sentinel is not None else None,
+        "incoming": node.incoming.snapshot(),  # limits on incoming requests: budget, peak, refusals by reason
         "time": time.time(),
     }
 

@@ -218,7 +218,8 @@ def _node_row(child: Child, s: dict) -> dict:
     return {"name": child.name, "peer_id": s.get("peer_id"), "stage": s.get("stage"), "state": s.get("state"),
             "step": s.get("step"), "fingerprint": s.get("fingerprint"), "moves": s.get("moves", 0),
             "resyncs": s.get("resyncs", 0), "rounds_failed": s.get("rounds_failed", 0),
-            "aborted_rounds": s.get("aborted_rounds", 0), "local_steps": s.get("local_steps", 0)}
+            "aborted_rounds": s.get("aborted_rounds", 0), "local_steps": s.get("local_steps", 0),
+            "incoming": s.get("incoming")}
 
 
 def _completions(trainers: list[dict], t0: Optional[float]) -> list[list[float]]:

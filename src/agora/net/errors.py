@@ -22,6 +22,8 @@ __all__ = [
     "MALFORMED",
     "BAD_METADATA",
     "UNSUPPORTED_TENSOR",
+    "BUSY",
+    "TOO_SLOW",
 ]
 
 INTERNAL = "internal"  # the remote handler raised something that is not an RpcError
@@ -37,6 +39,8 @@ TRUNCATED = "truncated"  # fewer messages/chunks than the header announced
 MALFORMED = "malformed"  # anything else that does not parse as our wire format
 BAD_METADATA = "bad_metadata"  # metadata is not a msgpack-able dict
 UNSUPPORTED_TENSOR = "unsupported_tensor"  # dtype/layout that cannot be serialized
+BUSY = "busy"  # the server is at one of its limits now (streams, buffered bytes, ...); the message says when to retry
+TOO_SLOW = "too_slow"  # the caller sent its request slower than the server's minimum rate (net/admission.py)
 
 
 class RpcError(Exception):

@@ -289,6 +289,11 @@ class MessageDecoder:
         return self._envelope is not None and self._received_messages == self._expected_messages
 
     @property
+    def announced(self) -> Optional[dict]:
+        """The header's envelope once it has arrived (``meta``, and ``n``/``tensors``/``bytes`` still to come)."""
+        return self._envelope
+
+    @property
     def progress(self) -> str:
         """How far the stream got, for error messages."""
         if self._envelope is None:

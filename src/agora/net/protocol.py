@@ -30,6 +30,8 @@ RETRYABLE = frozenset({
     "sentinel",  # a message on this path was flagged as corrupted
     "rate_limited",
     "batch_full",  # the stage holds its whole target batch and has not stepped yet: later, or another path
+    transport.BUSY,  # the peer is at one of its limits on incoming requests (streams, buffered bytes)
+    transport.TOO_SLOW,  # our request reached the peer slower than it accepts: another path may be faster
 })
 # Of those, the ones that say the peer itself is broken or unreachable: it is banned for a while. A peer that is
 # leaving or not yet serving is healthy; routing just skips it for this microbatch.

@@ -61,6 +61,7 @@ class NodeCollector(Collector):
         yield from self._microbatches()
         yield from self._boundaries()
         yield from self._gauges()
+        yield from self._incoming()
         yield from self._averaging()
 
     def _microbatches(self) -> Iterator[Any]:
@@ -120,6 +121,22 @@ class NodeCollector(Collector):
                                     value=n.runtime.loss_ema)
         yield StateSetMetricFamily("agora_peer_state", "Lifecycle state of this peer.",
                                    value={s.value: n.state == s for s in PeerState})
+
+    def _incoming(self) -> Iterator[Any]:
+        state = self.node.incoming.snapshot()
+        yield GaugeMetricFamily("agora_incoming_budget_bytes", "Bytes of incoming requests this node may buffer "
+                                "(all peers together; net/admission.py).", value=state["budget_bytes"])
+        yield GaugeMetricFamily("agora_incoming_buffered_bytes", "Bytes of incoming requests buffered now.",
+                                value=state["buffered_bytes"])
+        yield GaugeMetricFamily("agora_incoming_peak_buffered_bytes", "Most bytes of incoming requests buffered at "
+                                "once since the node started.", value=state["peak_buffered_bytes"])
+        yield GaugeMetricFamily("agora_incoming_streams", "Incoming RPC streams open now.",
+                                value=state["open_streams"])
+        refused = CounterMetricFamily("agora_incoming_refused", "Incoming streams refused or cut at a limit, by "
+                                      "reason (busy_*, too_slow, too_large_for_budget).", labels=["reason"])
+        for reason, count in sorted(state["refused"].items()):
+            refused.add_metric([reason], count)
+        yield refused
 
     def _averaging(self) -> Iterator[Any]:
         n = self.node

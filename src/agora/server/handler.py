@@ -26,8 +26,24 @@ from agora.net.transport import RpcError
 from agora.server.runtime import StageRuntime, trim_heap
 from agora.server.runtime import Pending
 from agora.server.screening import Message
+from agora.wire import bytes_per_token
 
 logger = logging.getLogger("agora.node")
+
+
+def max_microbatch(manifest: Manifest) -> int:
+    """The most sequences one ``fwd_bwd`` request may carry: 4x the manifest's microbatch (evaluation batches and
+    callers with their own microbatch size fit; it bounds what a request may make a node buffer)."""
+    return 4 * manifest.batch.microbatch_size
+
+
+def largest_request_bytes(manifest: Manifest) -> int:
+    """The largest payload a legitimate request to a node of this run carries, whatever stage it serves: a
+    ``fwd_bwd`` of ``max_microbatch`` full-length sequences (boundary coordinates, token ids, last-token ids).
+    Generation chunks (one sequence) and the other RPCs (no tensors) are smaller."""
+    m, r = manifest, manifest.residual
+    per_sequence = m.model.seq_len * bytes_per_token(m.model.d_model, r.mode, r.k, r.wire_dtype) + 4
+    return max_microbatch(m) * per_sequence
 
 
 def validate_fwd_bwd(manifest: Manifest, runtime: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> None:
@@ -41,8 +57,9 @@ def validate_fwd_bwd(manifest: Manifest, runtime: StageRuntime, meta: dict, tens
         raise RpcError("dtype_mismatch", f"token ids must be int32, got {tokens.dtype} and {last.dtype}")
     if tokens.dim() != 2 or tokens.shape[1] > m.model.seq_len or tokens.shape[0] == 0:
         raise RpcError("shape_mismatch", f"tokens must be [batch, <= {m.model.seq_len}], got {tuple(tokens.shape)}")
-    if tokens.shape[0] > 4 * m.batch.target_batch_size:
-        raise RpcError("too_large", f"microbatch of {tokens.shape[0]} sequences is larger than allowed")
+    if tokens.shape[0] > max_microbatch(m):
+        raise RpcError("too_large", f"a microbatch of {tokens.shape[0]} sequences; at most {max_microbatch(m)} "
+                                    f"(4x the manifest's microbatch_size)")
     if last.shape != (tokens.shape[0],):
         raise RpcError("shape_mismatch", f"last-token ids must be [{tokens.shape[0]}], got {tuple(last.shape)}")
     v = m.model.vocab_size
@@ -75,16 +92,21 @@ class StageHandler:
         # How long a training microbatch may wait for the stage's step when the target batch is complete: half a
         # hop's timeout, so the caller still has time for our compute and downstream.
         self.hold_limit_s = node.opts.hop_timeout_s / 2
+        self.largest_request = largest_request_bytes(self.manifest)
 
     async def register(self, p2p) -> None:
-        ns = self.manifest.run_id
-        await transport.add_handler(p2p, ns, FWD_BWD, self.fwd_bwd, stats=self.node.stats_in)
-        await transport.add_handler(p2p, ns, GET_STATE, self.get_state)
-        await transport.add_handler(p2p, ns, INFO, self.info)
-        await transport.add_handler(p2p, ns, TIED_GRAD, self.tied_grad)
-        # Generation sessions: admission reuses ours (authorize, bans, rate limit, check_addressed).
+        """Serve the RPCs. Each request's header is admitted (``admit_compute`` / ``admit_state`` / ``admit_info``)
+        before a byte of its payload is read, within the node's ``incoming`` limits (net/admission.py)."""
+        ns, gate = self.manifest.run_id, self.node.incoming
+        await transport.add_handler(p2p, ns, FWD_BWD, self.fwd_bwd, stats=self.node.stats_in, gate=gate,
+                                    admit=self.admit_compute)
+        await transport.add_handler(p2p, ns, GET_STATE, self.get_state, gate=gate, admit=self.admit_state)
+        await transport.add_handler(p2p, ns, INFO, self.info, gate=gate, admit=self.admit_info)
+        await transport.add_handler(p2p, ns, TIED_GRAD, self.tied_grad, gate=gate, admit=self.admit_compute)
+        # Generation sessions: admission is ours (authorize, bans, rate limit, check_addressed, size).
         inference = self.node.inference
-        await transport.add_handler(p2p, ns, INFER, inference.infer, stats=inference.wire)
+        await transport.add_handler(p2p, ns, INFER, inference.infer, stats=inference.wire, gate=gate,
+                                    admit=self.admit_compute)
 
     def reject(self, code: str, message: str) -> RpcError:
         self._count_rejection(code)
@@ -132,7 +154,7 @@ class StageHandler:
                            f"peer is {node.state.value}")
 
     async def admit_caller(self, sender: str, meta: dict) -> None:
-        """Who may call, before anything is read: certified (allow-listed runs), not banned, within its rate, and
+        """Who may call, from a request's header (before its payload is read): certified (allow-listed runs), not banned, within its rate, and
         addressing this run, manifest and stage while we serve. Every RPC that computes goes through it."""
         node = self.node
         await self.authorize(sender)
@@ -142,9 +164,31 @@ class StageHandler:
             raise self.reject("rate_limited", f"more than {node.opts.rate_limit_per_s:.0f} calls/s from {sender}")
         self.check_addressed(meta)
 
+    def check_size(self, announced_bytes: int, limit: int, what: str) -> None:
+        if announced_bytes > limit:
+            raise self.reject("too_large", f"the request announces {announced_bytes} payload bytes; a {what} of "
+                                           f"this run carries at most {limit}")
+
+    async def admit_compute(self, meta: dict, announced_bytes: int, caller: PeerID) -> None:
+        """The header of a request that computes (``fwd_bwd``, ``infer``, ``tied_grad``): ``admit_caller``, and a
+        payload no larger than the manifest allows (``largest_request_bytes``), before any of it is read."""
+        await self.admit_caller(str(caller), meta)
+        self.check_size(announced_bytes, self.largest_request, "request")
+
+    async def admit_state(self, meta: dict, announced_bytes: int, caller: PeerID) -> None:
+        """The header of a ``get_state`` request: a certified caller (allow-listed runs); the request has no
+        tensors (the state is in the reply)."""
+        await self.authorize(str(caller))
+        self.check_size(announced_bytes, 0, "state request")
+
+    async def admit_info(self, meta: dict, announced_bytes: int, caller: PeerID) -> None:
+        self.check_size(announced_bytes, 0, "info request")
+
     async def admit(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """A decoded ``fwd_bwd`` request (its caller was admitted at the header): still addressed to what we serve
+        now, and well-formed for this stage."""
         node = self.node
-        await self.admit_caller(sender, meta)
+        self.check_addressed(meta)
         try:
             validate_fwd_bwd(self.manifest, node.runtime, meta, tensors)
         except RpcError as err:
@@ -277,7 +321,7 @@ class StageHandler:
 
     async def tied_grad(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
         """The other end of a tied embedding asks for our gradient of the shared matrix at a step."""
-        await self.admit_caller(str(caller), meta)
+        self.check_addressed(meta)
         tied = self.node.sync.tied if self.node.sync is not None else None
         if tied is None:
             raise self.reject("bad_request", f"stage {self.node.stage_index} holds no tied embedding")

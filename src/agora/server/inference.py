@@ -84,7 +84,7 @@ class InferenceSessions:
         """Admit, validate, then run one chunk of a session (or close it: ``close`` without tensors)."""
         node, handler = self.node, self.node.handler
         sender = str(caller)
-        await handler.admit_caller(sender, meta)
+        handler.check_addressed(meta)  # the caller was admitted at the header (handler.admit_compute)
         session_id, position, close = self._parse_meta(meta)
         key = (sender, session_id)
         if not tensors:

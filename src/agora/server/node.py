@@ -22,12 +22,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import psutil
 import torch
 from hivemind import DHT
 
 from agora.client.router import RouterOptions
 from agora.config import Manifest
 from agora.net.dht import visible_maddrs
+from agora.net.admission import IncomingGate, IncomingLimits
 from agora.net.members import RunMembers
 from agora.net.records import ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_key, announce, bans_key, stage_key
 from agora.net.transport import TransferStats
@@ -36,7 +38,7 @@ from agora.server.averaging import make_sync
 from agora.server.averaging.sync import ReplicaSync, SyncContext
 from agora.server.checkpoint import load_stage_checkpoint
 from agora.server.downstream import Downstream, DownstreamHooks
-from agora.server.handler import StageHandler
+from agora.server.handler import StageHandler, largest_request_bytes
 from agora.server.inference import InferenceSessions
 from agora.server.observers import Observers
 from agora.server.rebalance import Rebalancer
@@ -82,6 +84,9 @@ class NodeOptions:
     # (a new session beyond it is refused with ``busy``), and how long an unused session is kept.
     inference_memory_bytes: int = 1 << 30
     inference_idle_s: float = 60.0
+    # Bytes of incoming requests all peers together may have this node buffer (net/admission.py). None: two of the
+    # run's largest legitimate requests (at least 4 MiB); refused when above a quarter of the host's free memory.
+    incoming_budget_bytes: Optional[int] = None
     # How this peer computes (server/runtime.py RuntimeOptions): device, precision, backward mode.
     compute: RuntimeOptions = RuntimeOptions()
 
@@ -122,6 +127,8 @@ class StageNode:
                                                               initializer=self._note_compute_thread)
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"stage{stage}-dht")
         self.screening = self._new_screening() if self.opts.sentinel else None
+        self.incoming = IncomingGate(IncomingLimits.for_requests(
+            largest_request_bytes(manifest), psutil.virtual_memory().available, self.opts.incoming_budget_bytes))
         self.handler = StageHandler(self)
         self.inference = InferenceSessions(self, self.opts.inference_memory_bytes, self.opts.inference_idle_s)
         self.rebalancer = Rebalancer(self)
