@@ -156,7 +156,7 @@ def test_demo_end_to_end(tmp_path):
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "agora.cli", "demo", "--stages", "2", "--replicas", "2", "--preset", "tiny",
-             "--steps", "3", "--out", str(out), "--no-live", "--timeout", "400"],
+             "--steps", "3", "--out", str(out), "--no-live", "--timeout", "400", "--compare-local"],
             capture_output=True, text=True, timeout=500,
         )
     finally:
@@ -180,4 +180,10 @@ def test_demo_end_to_end(tmp_path):
                for i in incoming), incoming
     curve = [p["loss"] for p in summary["loss_curve"]]
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3  # the loss went down
+    # --compare-local: the same manifest trained centrally for the swarm's step count, on the same tokens.
+    central = summary["centralized"]
+    assert central["steps"] == min(summary["steps_per_stage"].values()) >= 3
+    assert central["tokens"] == central["steps"] * MAN.batch.target_batch_size * MAN.model.seq_len
+    assert 0.8 < central["ratio"] < 1.2 and central["swarm_val_loss"] == summary["val_loss"], central
+    assert "centralized" in proc.stdout + proc.stderr
     assert (out / "report.html").exists() and "data:image/png;base64" in (out / "report.html").read_text()

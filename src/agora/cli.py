@@ -477,6 +477,9 @@ def demo(
     device: str = typer.Option("cpu", help="every node's --device (auto, cpu, cuda, cuda:N): a GPU is shared"),
     precision: str = typer.Option("fp32", help="every node's --precision (fp32 or bf16)"),
     backward: str = typer.Option("stash", help="every node's --backward (stash or recompute)"),
+    compare_local: bool = typer.Option(False, help="then train the same manifest centrally (train-local) for the "
+                                                   "swarm's step count, on the same tokens, and compare the "
+                                                   "validation loss on the same batches"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.lab.demo import (CHAOS_FAULTS, ChaosOptions, DemoOptions, LinkOptions, NodeExtras, StopRule,
@@ -529,6 +532,14 @@ def demo(
         console.print(f"[yellow]could not sample the trained model: {sample['error']}[/yellow]")
     if not summary["finished"]:
         raise typer.Exit(1)
+    if compare_local and summary.get("val_loss") is not None:
+        from agora.lab.demo import compare_with_centralized
+
+        console.print("training the same manifest centrally on the same tokens (train-local) to compare ...")
+        c = compare_with_centralized(summary, out, val_batches=SwarmShape().val_batches)
+        console.print(f"validation loss after {c['steps']} steps: swarm {c['swarm_val_loss']:.4f} "
+                      f"({c['swarm_tokens']} tokens), centralized {c['val_loss']:.4f} ({c['tokens']} tokens): ratio "
+                      f"{c['ratio']:.4f}; train-local took {c['wall_s']:.0f}s")
 
 
 # ---------------------------------------------------------------------------------------------- models in and out

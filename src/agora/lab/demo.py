@@ -674,3 +674,30 @@ def _chaos_candidates(swarm: Swarm, snap: dict, allow_last: bool,
         if stage is not None and (allow_last or per_stage[stage] > 1):
             candidates.append((c, info["peer_id"], stage))
     return candidates
+
+
+def compare_with_centralized(summary: dict, out: Path, val_batches: int) -> dict:
+    """Train the demo's manifest centrally (``agora train-local``, one process) for as many optimizer steps as the
+    swarm's slowest stage took, i.e. on the same tokens (a stage applies one target batch per step), and compare
+    the validation loss on the same held-out batches. Added to ``OUT/summary.json`` as ``centralized``."""
+    from agora.config import load_manifest
+    from agora.lab.train_local import train_local
+
+    steps = min(int(v) for v in summary["steps_per_stage"].values())
+    if steps < 1:
+        raise ValueError("the swarm took no optimizer step: nothing to compare with")
+    manifest = load_manifest(Path(out) / "manifest.yaml")
+    local = train_local(manifest, steps, val_batches=val_batches)
+    b = manifest.batch
+    swarm_tokens = summary["microbatches"]["completed"] * b.microbatch_size * manifest.model.seq_len
+    result = {"steps": steps, "tokens": local["tokens"], "val_loss": local["val_loss"], "wall_s": local["wall_s"],
+              # What the trainers had computed through the swarm; it differs from ``tokens`` when a stage's last
+              # step was partial or a microbatch was lost with a killed replica.
+              "swarm_tokens": swarm_tokens,
+              "swarm_val_loss": summary["val_loss"],
+              "ratio": summary["val_loss"] / local["val_loss"] if summary.get("val_loss") else None}
+    path = Path(out) / "summary.json"
+    full = json.loads(path.read_text())
+    full["centralized"] = result
+    path.write_text(json.dumps(full, indent=2))
+    return result
