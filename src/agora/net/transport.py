@@ -130,6 +130,7 @@ _MAX_FRAME_BYTES = max(MAX_METADATA_BYTES, DEFAULT_CHUNK_SIZE_BYTES) + 64 * 1024
 # request reserves is its payload plus this per announced frame.
 _FRAME_OVERHEAD_BYTES = 1024
 _DISCARD_CHUNK_BYTES = 64 * 1024
+_MIN_READ_S = 0.05
 
 # Checks a request's header (its meta, the payload bytes it announces, the caller) before any payload is read;
 # raises RpcError to refuse it. See add_handler's ``admit``.
@@ -158,10 +159,10 @@ class _RequestStream:
         return self.started + self.limits.grace_s + (self.bytes_read + more_bytes) / self.limits.min_rate_bytes_per_s
 
     async def _read(self, nbytes: int, deadline: float) -> bytes:
-        left = deadline - time.monotonic()
+        # At least a moment even past the deadline: bytes that arrived while this event loop was busy elsewhere are
+        # read, not held against the sender.
+        left = max(deadline - time.monotonic(), _MIN_READ_S)
         try:
-            if left <= 0:
-                raise asyncio.TimeoutError
             data = await asyncio.wait_for(self.reader.readexactly(nbytes), left)
         except asyncio.TimeoutError:
             raise RpcError(TOO_SLOW, f"the request arrived slower than {self.limits.min_rate_bytes_per_s} bytes/s "
@@ -268,14 +269,14 @@ class _ServedHandler:
             try:
                 replies = await self._answer(peer_id, stream)
             except _Dropped as e:
-                logger.debug(f"Handler {self.handle}: stream of {peer_id} dropped: {e}")
+                logger.info(f"Handler {self.handle}: stream of {peer_id} dropped without a reply: {e}")
                 return
             for i, reply in enumerate(replies):
                 await _pace(reply, first=(i == 0))
                 try:
                     await P2P.send_protobuf(reply, writer)
                 except (OSError, ConnectionError, RuntimeError) as e:  # the caller went away: it reports the error
-                    logger.debug(f"Handler {self.handle}: reply to {peer_id} not sent: {e!r}")
+                    logger.info(f"Handler {self.handle}: reply to {peer_id} not sent: {e!r}")
                     return
                 if self.stats is not None:
                     self.stats.count_sent(reply)
@@ -296,9 +297,14 @@ class _ServedHandler:
             except RpcError as e:  # WireError included
                 if e.code == TOO_SLOW:
                     self.gate.count("too_slow")
+                    logger.info(f"Handler {self.handle}: cut the request of {peer_id}: {e.message}")
                 else:
                     await stream.drain()
                 return self._error(e, peer_id)
+            except Exception as e:  # a bug in an admission hook: the caller still gets an answer
+                logger.warning(f"Handler {self.handle}: admitting a request of {peer_id} failed:", exc_info=True)
+                await stream.drain()
+                return self._error(RpcError(INTERNAL, f"{type(e).__name__}: {e}"), peer_id)
             return await self._run_handler_while_connected(stream, decoder, peer_id)
 
     async def _read_request(self, stream: _RequestStream, decoder: MessageDecoder, peer_id: PeerID) -> None:

@@ -468,8 +468,10 @@ class StageRuntime:
         self.samples = 0
         return n, grads
 
-    def apply_step(self, grads: Optional[list[torch.Tensor]]) -> None:
-        """One optimizer step with ``grads`` (averaged, mean over samples); gradients accumulated meanwhile survive."""
+    def apply_step(self, grads: Optional[list[torch.Tensor]], clip_scale: Optional[float] = None) -> None:
+        """One optimizer step with ``grads`` (averaged, mean over samples); gradients accumulated meanwhile survive.
+        ``clip_scale``: the global-norm clipping factor of this step (``averaging.clip``); None: clip by this
+        stage's own norm."""
         params = [p for p in self.stage.parameters()]
         kept = [p.grad for p in params]
         stepped = [self._master(p) for p in params]  # what the optimizer steps (host copies when offloading)
@@ -478,11 +480,16 @@ class StageRuntime:
         clip = self.manifest.optimizer.grad_clip
         tied = tied_parameter(self.stage)
         tied = self._master(tied) if tied is not None else None
-        # A tied embedding's copy is clipped by its own norm: the other end, holding another stage, must scale the
-        # same summed gradient by the same factor for the two copies to stay equal.
-        torch.nn.utils.clip_grad_norm_([q for q in stepped if q is not tied], clip)
-        if tied is not None:
-            torch.nn.utils.clip_grad_norm_([tied], clip)
+        if clip_scale is not None:  # every stage of the step scales by the same global factor
+            if clip_scale < 1.0:
+                for q in stepped:
+                    q.grad.mul_(clip_scale)
+        else:
+            # A tied embedding's copy is clipped by its own norm: the other end, holding another stage, must scale
+            # the same summed gradient by the same factor for the two copies to stay equal.
+            torch.nn.utils.clip_grad_norm_([q for q in stepped if q is not tied], clip)
+            if tied is not None:
+                torch.nn.utils.clip_grad_norm_([tied], clip)
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
         self.optimizer.step()
         if self._masters is not None:

@@ -30,6 +30,7 @@ from agora.net.state_transfer import fetch_state
 from agora.net.records import PeerState, StageRecord, read_stage, read_swarm_bans, trainers_training
 from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
+from agora.server.averaging.clip import GlobalClip
 from agora.server.averaging.tied import TiedExchange
 from agora.server.observers import Observers
 from agora.server.runtime import StageRuntime, trim_heap
@@ -77,6 +78,7 @@ class SyncContext:
     local_bans: Callable[[], set]
     members: Optional[RunMembers]
     observers: Observers
+    clip_wait_s: float = 10.0  # how long a step waits for the other stages' gradient norms (averaging/clip.py)
 
     @property
     def stage_index(self) -> int:
@@ -91,7 +93,10 @@ class ReplicaSync:
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
-        self.tied = TiedExchange(ctx) if tied_parameter(ctx.runtime.stage) is not None else None
+        tied = tied_parameter(ctx.runtime.stage)
+        self.tied = TiedExchange(ctx) if tied is not None else None
+        tied_index = next((i for i, p in enumerate(ctx.runtime.stage.parameters()) if p is tied), None)
+        self.clipper = GlobalClip(ctx, tied_index if tied is not None else None, ctx.clip_wait_s)
         m = ctx.manifest
         self.target = m.batch.target_batch_size
         self.prefix = f"{m.run_id}_s{ctx.stage_index}_{m.hash}_grads"  # no dots: hivemind splits keys on '.'
@@ -481,9 +486,10 @@ class ReplicaSync:
             averaged = await c.run_compute(self._not_averaged, grads, n_others == 0)
         if self.tied is not None:  # the other end's gradient of a tied embedding joins ours
             averaged = await self.tied.offer_and_fetch(rt.step, averaged)
+        scale = await self.clipper.scale(rt.step, averaged)  # the global-norm clipping factor (None: our own)
 
         def step() -> None:
-            rt.apply_step([g.float() for g in averaged])
+            rt.apply_step([g.float() for g in averaged], clip_scale=scale)
             self._set_fingerprint()
             self._after_step()
 
