@@ -60,7 +60,7 @@ class IncomingLimits:
 
     @classmethod
     def for_requests(cls, largest_request_bytes: int, available_bytes: Optional[int] = None,
-                     budget_bytes: Optional[int] = None, **overrides) -> "IncomingLimits":
+                     budget_bytes: Optional[int] = None) -> "IncomingLimits":
         """Limits for a server whose largest legitimate request is ``largest_request_bytes``: a budget of two such
         requests (at least ``MIN_BUDGET_BYTES``), or ``budget_bytes`` if given. A budget above a quarter of
         ``available_bytes`` (the host's free memory) is refused: it would let outsiders push the host into swap."""
@@ -70,7 +70,7 @@ class IncomingLimits:
                 f"an incoming-request budget of {budget / MIB:.0f} MiB (two of this stage's largest requests) is more "
                 f"than a quarter of the {available_bytes / MIB:.0f} MiB this host has free; free memory or set a "
                 f"smaller budget (agora node --incoming-budget-mib)")
-        return cls(budget_bytes=int(budget), **overrides)
+        return cls(budget_bytes=int(budget))
 
 
 class Reservation:

@@ -91,7 +91,7 @@ class GlobalClip:
                     return self._fallback(step, f"stage(s) {empty} have no serving peer")
             await asyncio.sleep(POLL_S)
 
-    def _fallback(self, step: int, why: str) -> None:  # noqa: D401
+    def _fallback(self, step: int, why: str) -> None:
         self.fallbacks += 1
         logger.warning(f"stage {self.ctx.stage_index}: step {step} clipped by this stage's own norm: {why}")
         return None
