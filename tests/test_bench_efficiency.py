@@ -18,6 +18,9 @@ def test_tiny_swarm_trains_the_centralized_tokens_and_counts_its_helpers_cpu(tmp
     assert swarm["tokens"] == central["tokens"]
     assert r["token_overshoot"] == 0 and result["summary"]["token_overshoot_max"] == 0
     assert swarm["microbatches"]["abandoned"] == 0
+    # The trainer validated and left by itself (not stopped mid-way): its summary is whole.
+    exits = json.loads((tmp_path / "repeat1" / "swarm" / "summary.json").read_text())["exits"]
+    assert [e["returncode"] for name, e in exits.items() if name.startswith("train")] == [0], exits
     # Validated after the stages applied every sample, on all the held-out batches the baseline used.
     assert swarm["settled"] is True
     assert swarm["val_batches_done"] == [4]

@@ -122,6 +122,16 @@ def exit_through_finally_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise)
 
 
+def _ignore_sigterm_while_leaving() -> None:
+    """Once a role's loop has ended it is already leaving: a SIGTERM then is logged and ignored, so the summary and
+    the DHT shutdown still happen (a stuck exit is the caller's to SIGKILL)."""
+
+    def _log(signum, frame):
+        logger.info("received SIGTERM while leaving: finishing the summary and shutdown first")
+
+    signal.signal(signal.SIGTERM, _log)
+
+
 def choose_stage(dht, manifest: Manifest) -> int:
     """The weakest stage, ignoring records that stopped being refreshed (peers that just died)."""
     swarm = read_swarm(dht, manifest.run_id, manifest.n_stages, manifest.hash)
@@ -215,7 +225,10 @@ def run_node(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpoin
         node = _build_node(dht, manifest, options, run, endpoint.host)
         rounds = RoundClock()
         node.observers.subscribe("round", rounds)
-        asyncio.run(_serve(node, run.summary, rounds))
+        try:
+            asyncio.run(_serve(node, run.summary, rounds))
+        finally:
+            _ignore_sigterm_while_leaving()
         _write(run.summary, node_summary(node, rounds))
         return 0
     finally:
@@ -310,7 +323,12 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endp
     try:
         check_run_manifest(dht, manifest)
         trainer = Trainer(manifest, dht, shard, options)
-        out = asyncio.run(_train(trainer, val, manifest, run))
+        try:
+            out = asyncio.run(_train(trainer, val, manifest, run))
+        finally:
+            # The closed loop handed SIGTERM back to the default (die at once): a stop that lands while the
+            # summary is written must not lose it.
+            _ignore_sigterm_while_leaving()
         result = {
             "role": "trainer",
             "peer_id": str(dht.peer_id),

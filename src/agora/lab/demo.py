@@ -54,6 +54,7 @@ console = Console(stderr=True)
 
 STATUS_GIVE_UP_S = 120.0  # the demo fails when it could not read the swarm's status from the DHT for this long
 LAYOUT_TIMEOUT_S = 180.0  # every stage must serve with all its replicas this soon after the nodes start
+TRAINER_LEAVE_S = 120.0  # exact_tokens: how long the trainers may take to validate and leave after training
 SETTLE_TIMEOUT_S = 90.0  # exact_tokens: how long the stages may take to apply their last samples
 
 
@@ -423,6 +424,13 @@ class DemoRun:
         if not self.record.finished:
             self.record.events.append(f"timeout after {self.options.stop.timeout:.0f}s")
             return
+        stop = self.options.stop
+        if stop.exact_tokens and stop.tokens:
+            # These trainers stop at their budget, validate and leave by themselves: a SIGTERM in the middle of
+            # that would only race their summary.
+            left = self.swarm.wait_exit(self.swarm.trainers(), TRAINER_LEAVE_S)
+            if left:
+                self.record.events.append(f"{left[0].name} had not left {TRAINER_LEAVE_S:.0f}s after training")
         if self.options.measure_divergence or self.options.sample_tokens > 0:
             # The trainers stop first (they settle and validate on the way out): what is compared or exported is
             # the model the run ended with, and its download does not compete with training for the peers.

@@ -200,6 +200,20 @@ class Swarm:
         """The stage nodes: only running ones, or (``alive=False``) every node ever started."""
         return [c for c in self.children if c.role == "node" and (c.alive or not alive)]
 
+    def wait_exit(self, children: list[Child], timeout: float) -> list[Child]:
+        """Wait up to ``timeout`` seconds for ``children`` to exit by themselves (recording how); returns those
+        still running."""
+        t0 = time.time()
+        for c in children:
+            try:
+                c.proc.wait(timeout=max(0.1, t0 + timeout - time.time()))
+            except subprocess.TimeoutExpired:
+                continue
+            if c.exit is None:
+                c.exit = {"graceful": c.proc.returncode == 0, "seconds": time.time() - t0,
+                          "returncode": c.proc.returncode}
+        return [c for c in children if c.alive]
+
     def stop(self, children: list[Child], timeout: float) -> None:
         """SIGTERM (graceful leave), wait, then SIGKILL the process group of anything still running."""
         t0 = time.time()
