@@ -21,6 +21,8 @@ def test_tiny_swarm_trains_the_centralized_tokens_and_counts_its_helpers_cpu(tmp
     # The trainer validated and left by itself (not stopped mid-way): its summary is whole.
     exits = json.loads((tmp_path / "repeat1" / "swarm" / "summary.json").read_text())["exits"]
     assert [e["returncode"] for name, e in exits.items() if name.startswith("train")] == [0], exits
+    # Each replica took its share of every target batch: every stage stepped once per batch, as centralized did.
+    assert set(swarm["steps_per_stage"].values()) == {steps}, swarm["steps_per_stage"]
     # Validated after the stages applied every sample, on all the held-out batches the baseline used.
     assert swarm["settled"] is True
     assert swarm["val_batches_done"] == [4]

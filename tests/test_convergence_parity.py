@@ -101,3 +101,23 @@ def test_a_stage_whose_peers_never_report_clips_by_its_own_norm():
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         dht.shutdown()
+
+
+def test_replicas_split_a_target_batch_into_shares_that_add_up_to_it():
+    from agora.server.averaging.sync import batch_shares
+
+    assert batch_shares(32, 8, [("a", 1.0), ("b", 1.0)]) == {"a": 16, "b": 16}
+    # By measured throughput, in whole microbatches; every replica gets at least one while there are enough.
+    assert batch_shares(32, 8, [("a", 3.0), ("b", 1.0)]) == {"a": 24, "b": 8}
+    assert batch_shares(32, 8, [("a", 100.0), ("b", 1.0)]) == {"a": 24, "b": 8}
+    # A throughput not measured yet (0): equal split, the remainder by peer id.
+    assert batch_shares(40, 8, [("b", 0.0), ("a", 5.0)]) == {"a": 24, "b": 16}
+    # Alone: the whole batch. Fewer microbatches than replicas: some get none (they wait, then take work anyway).
+    assert batch_shares(32, 8, [("x", 2.0)]) == {"x": 32}
+    assert sum(batch_shares(8, 8, [("a", 1.0), ("b", 1.0)]).values()) == 8
+    # Every replica computes the same split whatever order it read the records in.
+    peers = [(f"p{i}", float(r)) for i, r in enumerate([3.1, 0.7, 2.2, 5.0, 1.3])]
+    for k in range(5):
+        shares = batch_shares(96, 8, peers[k:] + peers[:k])
+        assert shares == batch_shares(96, 8, peers) and sum(shares.values()) == 96
+        assert all(v >= 8 for v in shares.values())

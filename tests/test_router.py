@@ -137,3 +137,21 @@ def test_a_retired_runtime_refuses_microbatches_of_the_stage_it_left():
         rt.backward(pending, grad)
     fresh, _ = rt.forward([tokens, tokens[:, -1]], train=True, generation=rt.generation)
     assert rt.backward(fresh, grad) is None and rt.samples == 2  # the head returns no gradient; samples count
+
+
+def test_a_broken_stream_is_retried_once_on_the_same_peer_then_elsewhere(replies):
+    """The peer may have run the request before its stream broke: calling it again lets it answer from that run
+    (server/exactly_once.py) instead of another replica accumulating the microbatch a second time."""
+    script, calls = replies
+    script.update({"a": [transport.CONNECTION_LOST, {"from": "a"}], "b": [{"from": "b"}]})
+    router, stage = _router(["a", "b"])
+    stage.records[0].throughput = 1e6
+    peer, (meta, _) = asyncio.run(router.call({}, []))
+    assert calls == ["a", "a"] and meta == {"from": "a"}
+
+    calls.clear()
+    script.update({"a": [transport.CONNECTION_LOST], "b": [{"from": "b"}]})
+    router, stage = _router(["a", "b"])
+    stage.records[0].throughput = 1e6
+    peer, (meta, _) = asyncio.run(router.call({}, []))
+    assert calls == ["a", "a", "b"] and meta == {"from": "b"}

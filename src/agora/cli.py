@@ -236,6 +236,37 @@ def bench_efficiency(
                                averaging=averaging, repeats=repeats), log=console.print)
 
 
+@bench_app.command("convergence")
+def bench_convergence(
+    out: Path = typer.Option(Path("bench-out/convergence")),
+    preset: str = typer.Option("small"),
+    steps: int = typer.Option(100, min=1, help="optimizer steps' worth of tokens per arm (100 of small: ~410k)"),
+    stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=2),
+    in_flight: int = typer.Option(4, min=2, help="microbatches in flight in the pipelined rows"),
+    seeds: str = typer.Option("0,1,2", help="comma-separated seeds; every row runs once per seed"),
+    rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, overlap, in_flight, replicas, "
+                                                  "powersgd, sparse, all, all_no_overlap, all_capped (default: all "
+                                                  "that apply)"),
+    link_mbps: Optional[float] = typer.Option(None, help="add the all_capped row: every link capped at this rate"),
+    val_batches: int = typer.Option(4, min=1),
+) -> None:
+    """Validation loss at equal tokens: centralized against the swarm, each source of difference alone (rounds
+    overlapping compute, microbatches in flight, replicas, averaging scheme, link caps) and all together; ratio and
+    seed spread per row."""
+    from agora.bench.convergence import ConvergenceOptions, run
+
+    try:
+        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+        row_list = tuple(x.strip() for x in rows.split(",") if x.strip()) if rows else None
+        opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
+                                  seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches)
+        opts.row_shapes()  # fail on a bad row name before anything runs
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+    run(out, opts, log=console.print)
+
+
 @bench_app.command("gpu")
 def bench_gpu(
     manifest: str = typer.Option("agora-8b", help="whose stages to measure (preset or YAML)"),

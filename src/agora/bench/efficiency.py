@@ -32,7 +32,8 @@ from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
 from agora.lab.demo import (DemoOptions, LinkOptions, LinkPlan, StopRule, SwarmShape, demo_manifest, plan_links,
-                             read_json, run_demo)
+                             run_demo)
+from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
 
@@ -129,14 +130,7 @@ def _tokens_per_step(manifest) -> int:
 def compare(central: dict, swarm: dict, swarm_dir: Path) -> dict:
     """One repeat: the centralized summary and the swarm's (its trainers' own summaries read from ``swarm_dir``)
     side by side, CPU over the training window of each."""
-    swarm_dir = Path(swarm_dir)
-    for name, exit_ in swarm["exits"].items():
-        if name.startswith("train") and read_json(swarm_dir / "procs" / f"{name}.json") is None:
-            log = swarm_dir / "logs" / f"{name}.log"
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else "(no log)"
-            raise RuntimeError(f"trainer {name} wrote no summary (exit {exit_}), so its tokens and validation are "
-                               f"unknown; the end of {log}:\n{tail}")
-    trainers = [t for p in sorted((swarm_dir / "procs").glob("train-*.json")) if (t := read_json(p))]
+    trainers = trainer_summaries(swarm, swarm_dir)
     window = swarm.get("cpu_window") or {}
     swarm_cpu = window.get("total_s") or float("nan")
     swarm_wall = window.get("seconds") or float("nan")

@@ -18,7 +18,8 @@ from typing import Awaitable, Callable, Optional, Protocol, Sequence
 import torch
 
 from agora.net import transport
-from agora.net.protocol import BANNABLE, FWD_BWD, RETRYABLE
+from agora.net.errors import CONNECTION_LOST
+from agora.net.protocol import BANNABLE, FWD_BWD, OVER_SHARE, RETRYABLE
 from agora.net.records import StageRecord
 from agora.net.routing import BanList, pick_peer_or_fallback
 from agora.net.transport import RpcError, TransferStats
@@ -105,26 +106,45 @@ class Router:
         """
         tried: list[str] = []
         last_error: Optional[Exception] = None
-        for attempt in range(self.opts.max_retries + 1):
-            if attempt and on_retry is not None:
+        same: Optional[StageRecord] = None  # the peer to call again at once (its stream broke; see below)
+        redirected = False  # a replica sent us to another one (``over_share``): not a failure, once per request
+        attempt = 0  # calls made so far; the callee sees it (``meta["attempt"]``)
+        failures = 0
+        while failures <= self.opts.max_retries:
+            if attempt and on_retry is not None and not redirected:
                 on_retry()
-            peer = await self.pick(tried, job_tokens, stopped)
+            peer = same or await self.pick(tried, job_tokens, stopped)
             if peer is None:
                 raise RpcError("no_peers", f"stage {self.stage} has no reachable peers (tried {len(tried)})")
-            if peer.peer_id in tried:
+            if peer.peer_id in tried and peer is not same and not redirected:
                 factor = attempt if self.opts.backoff_per_attempt else tried.count(peer.peer_id)
                 await asyncio.sleep(self.opts.backoff_s * factor)
+            same, redirected = None, False
             try:
-                reply = await self._call_one(peer.peer_id, meta, tensors, rpc)
+                reply = await self._call_one(peer.peer_id, dict(meta, attempt=attempt), tensors, rpc)
             except RpcError as err:
+                attempt += 1
                 last_error = err
-                self._failed(peer.peer_id, err, tried, attempt)
+                if err.code == OVER_SHARE and attempt == 1:
+                    # That replica holds its share of the stage's batch: another one takes this microbatch (any
+                    # replica takes a later attempt, so this happens once per request).
+                    tried.append(peer.peer_id)
+                    redirected = True
+                    continue
+                self._failed(peer.peer_id, err, tried, failures)
+                if err.code == CONNECTION_LOST and tried.count(peer.peer_id) == 1:
+                    # The stream broke, maybe after the peer ran the request: once, the same peer again. A labelled
+                    # training microbatch is then answered from its run (server/exactly_once.py) instead of being
+                    # accumulated a second time by another replica.
+                    same = next((r for r in self.source.candidates() if r.peer_id == peer.peer_id), None)
             else:
                 if accept is None or await accept(peer, reply):
                     self.acks[peer.peer_id] = self.acks.get(peer.peer_id, 0) + 1
                     return peer, reply
+                attempt += 1
                 tried.append(peer.peer_id)
                 last_error = RpcError("sentinel", f"reply of {peer.peer_id[-8:]} refused")
+            failures += 1
             if on_failure is not None:
                 on_failure()
         raise RpcError("retries_exhausted",
@@ -148,5 +168,5 @@ class Router:
         if err.code in BANNABLE:
             self.bans.ban(peer_id)
         final = attempt == self.opts.max_retries
-        logger.warning(f"stage {self.stage} peer {peer_id[-8:]} failed ({err.code}); "
+        logger.warning(f"stage {self.stage} peer {peer_id[-8:]} failed ({err.code}: {str(err.message)[:200]}); "
                        f"{'giving up' if final else f'retry {attempt + 1}'}")

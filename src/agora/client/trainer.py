@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -169,6 +170,8 @@ class Trainer:
         tokens = batch[:, :-1].to(torch.int32).contiguous()
         last = batch[:, -1].to(torch.int32).contiguous()
         meta = {"run_id": self.manifest.run_id, "manifest_hash": self.manifest.hash, "stage": 0, "train": train}
+        if train:  # its label: a stage that gets a retry of it does not accumulate it twice (server/exactly_once.py)
+            meta["mb"] = secrets.token_hex(8)
 
         def count_retry() -> None:
             if train:

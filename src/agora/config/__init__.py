@@ -105,6 +105,11 @@ class BatchConfig(_Strict):
     microbatch_size: int = Field(default=8, gt=0, le=MAX_BATCH, description="sequences per microbatch")
     target_batch_size: int = Field(default=32, gt=0, le=MAX_BATCH,
                                    description="sequences per optimizer step, swarm-wide")
+    overlap_rounds: bool = Field(
+        default=True,
+        description="a stage takes the next step's microbatches while it takes a step (its averaging round "
+                    "overlaps compute; their forward sees weights one step old). False: they wait until the step "
+                    "is applied, which makes a swarm compute what centralized training computes")
 
     @model_validator(mode="after")
     def _divides(self) -> "BatchConfig":

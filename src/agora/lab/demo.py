@@ -72,6 +72,8 @@ class SwarmShape:
     threads: int = 1  # torch threads per process
     residual: Optional[str] = None  # "dense" or "subspace": override the preset's boundary compression
     averaging: Optional[str] = None  # replica averaging spec, e.g. "powersgd,rank=8" (see averaging_section)
+    seed: Optional[int] = None  # the run's seed (None: the preset's)
+    overlap_rounds: Optional[bool] = None  # batch.overlap_rounds (None: the preset's)
 
 
 @dataclass(frozen=True)
@@ -537,7 +539,8 @@ def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Op
     """The run's manifest, written to ``OUT/manifest.yaml`` (secured and signed for an allow-listed run)."""
     out.mkdir(parents=True, exist_ok=True)
     shape = options.shape
-    manifest = demo_manifest(shape.preset, shape.stages, shape.residual, shape.averaging)
+    manifest = demo_manifest(shape.preset, shape.stages, shape.residual, shape.averaging, shape.seed,
+                             shape.overlap_rounds)
     if options.allow_list and options.measure_divergence:
         raise ValueError("measure_divergence downloads replica states from the demo process, which holds no "
                          "certificate: not available with allow_list")

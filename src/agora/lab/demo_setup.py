@@ -31,10 +31,16 @@ def averaging_section(spec: str) -> dict:
 
 
 def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
-                  averaging: Optional[str] = None) -> Manifest:
+                  averaging: Optional[str] = None, seed: Optional[int] = None,
+                  overlap_rounds: Optional[bool] = None) -> Manifest:
     """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries);
-    ``averaging`` sets the replicas' averaging scheme (a spec for :func:`averaging_section`)."""
+    ``averaging`` sets the replicas' averaging scheme (a spec for :func:`averaging_section`); ``seed`` replaces the
+    preset's (initial weights, data order, every random draw); ``overlap_rounds`` sets ``batch.overlap_rounds``."""
     m = load_manifest(preset)
+    if seed is not None:
+        m = m.with_overrides(seed=seed)
+    if overlap_rounds is not None:
+        m = m.with_overrides(**{"batch.overlap_rounds": overlap_rounds})
     if averaging is not None:
         m = m.with_overrides(averaging=averaging_section(averaging))
     if stages != m.n_stages:

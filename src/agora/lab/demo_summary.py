@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
@@ -165,6 +166,24 @@ def summarize(children: list[Child], manifest: Manifest, record: RunRecord, targ
     }
 
 
+def trainer_summaries(summary: dict, out: Path) -> list[dict]:
+    """The summaries the trainers of a finished demo in ``out`` wrote; raises, with the end of the trainer's log,
+    when one wrote none (it crashed or was killed): its tokens and validation would silently count as zero."""
+    out = Path(out)
+    found = []
+    for name, exit_ in summary["exits"].items():
+        if not name.startswith("train"):
+            continue
+        data = read_json(out / "procs" / f"{name}.json")
+        if data is None:
+            log = out / "logs" / f"{name}.log"
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else "(no log)"
+            raise RuntimeError(f"trainer {name} wrote no summary (exit {exit_}), so its tokens and validation are "
+                               f"unknown; the end of {log}:\n{tail}")
+        found.append(data)
+    return found
+
+
 def _loss_curve(trainers: list[dict]) -> list[dict]:
     """Every trainer's loss points in wall-clock order, each with the swarm's cumulative tokens at that moment."""
     merged = [(p["wall_s"], i, p) for i, t in enumerate(trainers) for p in t.get("loss_curve", [])]
@@ -219,7 +238,8 @@ def _node_row(child: Child, s: dict) -> dict:
             "step": s.get("step"), "fingerprint": s.get("fingerprint"), "moves": s.get("moves", 0),
             "resyncs": s.get("resyncs", 0), "rounds_failed": s.get("rounds_failed", 0),
             "aborted_rounds": s.get("aborted_rounds", 0), "local_steps": s.get("local_steps", 0),
-            "incoming": s.get("incoming")}
+            "share_redirects": s.get("share_redirects", 0),
+            "duplicate_microbatches": s.get("duplicate_microbatches", 0), "incoming": s.get("incoming")}
 
 
 def _completions(trainers: list[dict], t0: Optional[float]) -> list[list[float]]:

@@ -42,12 +42,19 @@ def train_local(
     eval_every: int = 0,
     threads: Optional[int] = None,
     on_step: Optional[Callable[[dict], None]] = None,
+    shard: Optional[tuple[int, int]] = None,
 ) -> dict:
-    """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences; return (and write) the summary."""
+    """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences; return (and write) the summary.
+
+    ``shard``: train on shard (index, count) of the training split in the order a swarm trainer of that shard
+    streams it (``agora train --shard``), so a one-trainer swarm and this run see the very same microbatches
+    (None: the whole split)."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
     train, val, _ = build_datasets(manifest)
+    if shard is not None:
+        train = train.shard(manifest.seed, *shard)
     model = PipelineModel(manifest)
     opt = build_optimizer(model, manifest.optimizer)
     mb, target = manifest.batch.microbatch_size, manifest.batch.target_batch_size

@@ -15,6 +15,8 @@ INFO = "info"  # a peer's record and recent events (dashboard, status)
 TIED_GRAD = "tied_grad"  # a step's gradient of a tied embedding, between the head's and the tail's replicas
 INFER = "infer"  # one chunk of a generation session through this stage, with the session's KV cache kept here
 
+OVER_SHARE = "over_share"
+
 # Failures of a peer that justify retrying the microbatch on another replica. Validation errors (our request was
 # bad) are not retried: another replica would refuse it the same way.
 RETRYABLE = frozenset({
@@ -30,6 +32,7 @@ RETRYABLE = frozenset({
     "sentinel",  # a message on this path was flagged as corrupted
     "rate_limited",
     "batch_full",  # the stage holds its whole target batch and has not stepped yet: later, or another path
+    OVER_SHARE,  # this replica holds its share of the batch: another replica of the stage (a redirect, not a failure)
     transport.BUSY,  # the peer is at one of its limits on incoming requests (streams, buffered bytes)
     transport.TOO_SLOW,  # our request reached the peer slower than it accepts: another path may be faster
 })

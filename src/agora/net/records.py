@@ -69,6 +69,7 @@ class StageRecord:
     queue: int = 0
     step: int = 0
     samples: int = 0  # samples accumulated toward the next optimizer step
+    admitted: int = 0  # samples of training microbatches taken toward that step and still in flight here
     fingerprint: float = 0.0  # checksum of the parameters after ``step`` (replicas must agree)
     averaging_step: int = -1  # the step this peer is averaging gradients for right now (-1: not averaging)
     addrs: list[str] = field(default_factory=list)

@@ -23,6 +23,7 @@ from agora.net.state_transfer import StateSnapshots
 from agora.net.protocol import FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
+from agora.server.exactly_once import ExactlyOnce, microbatch_key
 from agora.server.runtime import StageRuntime, trim_heap
 from agora.server.runtime import Pending
 from agora.server.screening import Message
@@ -93,6 +94,7 @@ class StageHandler:
         # hop's timeout, so the caller still has time for our compute and downstream.
         self.hold_limit_s = node.opts.hop_timeout_s / 2
         self.largest_request = largest_request_bytes(self.manifest)
+        self.exactly_once = ExactlyOnce()
 
     async def register(self, p2p) -> None:
         """Serve the RPCs. Each request's header is admitted (``admit_compute`` / ``admit_state`` / ``admit_info``)
@@ -210,7 +212,8 @@ class StageHandler:
         train = bool(meta.get("train", True))
         if not rt.is_head and train:
             await self._screen_activations(sender, meta, tensors)
-        return await self.process(rt, meta, tensors, train)
+        key = microbatch_key(sender, meta) if train else None  # a retry is not accumulated twice (exactly_once.py)
+        return await self.exactly_once.run(key, lambda: self.process(rt, meta, tensors, train))
 
     async def _audit(self, rt: StageRuntime, tensors: list[torch.Tensor]):
         """Recompute for a replica's receiver; nothing here trains on it, so it is not screened either."""
@@ -238,7 +241,9 @@ class StageHandler:
         rt.check_generation(generation)
         sync, samples = node.sync, int(tensors[-1].shape[0])
         if train and sync is not None:  # one target batch per step (ReplicaSync.batch_open)
-            await sync.admit_training(samples, self.hold_limit_s)
+            attempt = meta.get("attempt", 0)  # the sender's attempt (client/router.py); a retry is never redirected
+            await sync.admit_training(samples, self.hold_limit_s,
+                                      first_attempt=not (isinstance(attempt, int) and attempt > 0))
             try:
                 rt.check_generation(generation)  # the node may have moved while this waited
             except BaseException:

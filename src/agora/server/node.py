@@ -368,6 +368,7 @@ class StageNode:
             queue=self.queue,
             step=rt.step,
             samples=rt.samples,
+            admitted=sync.admitted if sync else 0,
             fingerprint=sync.fingerprint if sync and sync.fingerprint_valid else 0.0,
             averaging_step=sync.averaging_step if sync else -1,
             addrs=self.maddrs,

@@ -26,6 +26,7 @@ from hivemind import DHT
 from agora.config import Manifest
 from agora.model import tied_parameter
 from agora.net.members import RunMembers
+from agora.net.protocol import OVER_SHARE
 from agora.net.state_transfer import fetch_state
 from agora.net.records import PeerState, StageRecord, read_stage, read_swarm_bans, trainers_training
 from agora.net.transport import RpcError
@@ -38,6 +39,26 @@ from agora.server.runtime import StageRuntime, trim_heap
 logger = logging.getLogger("agora.averaging")
 
 POLL_S = 0.3
+SHARE_WAIT_S = 3.0  # how long a retried microbatch over our share waits for the others' counts before it is taken
+
+
+def batch_shares(target: int, microbatch: int, peers: list[tuple[str, float]]) -> dict[str, int]:
+    """Each replica's share of a target batch, in samples: whole microbatches, split by measured throughput
+    (``peers``: peer id and tokens/s; equal split while any throughput is unknown), at least one each when there
+    are enough, the remainder to the largest fractions (ties by peer id), so every replica computes the same split
+    from the same records and the shares add up to the batch."""
+    units = max(1, target // max(1, microbatch))
+    ids = sorted(p for p, _ in peers)
+    rate = dict(peers)
+    weights = [rate[p] for p in ids] if all(rate[p] > 0 for p in ids) else [1.0] * len(ids)
+    floor = 1 if units >= len(ids) else 0
+    spare = units - floor * len(ids)
+    exact = [spare * w / sum(weights) for w in weights]
+    given = [floor + int(x) for x in exact]
+    by_fraction = sorted(range(len(ids)), key=lambda i: (-(exact[i] - int(exact[i])), ids[i]))
+    for i in by_fraction[:units - sum(given)]:
+        given[i] += 1
+    return {p: g * microbatch for p, g in zip(ids, given)}
 ZERO_SAMPLE_WEIGHT = 1e-6  # hivemind requires positive weights; this keeps an empty replica's influence < fp32 eps
 
 
@@ -110,12 +131,16 @@ class ReplicaSync:
         self.rounds_ok = self.rounds_failed = self.local_steps = self.resyncs = self.aborted_rounds = 0
         self.averaging_step = -1
         self._epoch = 0  # bumped by every state download
-        self._announced_samples, self._announced_at = 0, 0.0
+        self._announced_counts, self._announced_at = (0, 0), 0.0
         self._banned: set[str] = set()
         self._banned_at = 0.0
         self._trainers, self._trainers_read_at = 0, 0.0
         self.admitted = 0  # samples of training microbatches admitted here and not finished yet (``admit_training``)
         self.others_samples = 0  # what the replicas at our step announced they accumulated (``_note_replicas``)
+        self.others_reserved = 0  # that, plus what they announced as admitted and still in flight
+        self.share_peers: list[tuple[str, float]] = []  # replicas around our step and their throughput (shares)
+        self.stepping = False  # between taking the batch's gradients and applying the step (``round``)
+        self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
         ctx.runtime.fingerprint_at = lambda step: self.fingerprint if self.fingerprint_step == step else None
 
     def averager_settings(self) -> dict:
@@ -302,11 +327,39 @@ class ReplicaSync:
         we admitted that is still in flight here, and what the replicas at our step announced, stay below the
         target batch. Every microbatch passes every stage, so stages that each step once per target batch take the
         same number of steps (a slow all-reduce no longer folds several batches into one step)."""
-        return self.ctx.runtime.samples + self.admitted + self.others_samples < self.target
+        if self.stepping and not self.ctx.manifest.batch.overlap_rounds:
+            return False  # the next step's forwards wait for this step's weights (batch.overlap_rounds)
+        return self.ctx.runtime.samples + self.admitted + self.others_reserved < self.target
 
-    async def admit_training(self, samples: int, limit_s: float) -> None:
+    def share(self) -> int:
+        """This replica's share of the next step's batch, in samples (``batch_shares`` over the replicas around
+        our step): replicas that each admit only their share cannot overshoot the batch together, which they
+        would when each admits up to the target before the others' announcements reach it."""
+        me = (self.ctx.peer_id, self.ctx.runtime.throughput)
+        return batch_shares(self.target, self.ctx.manifest.batch.microbatch_size, [*self.share_peers, me])[me[0]]
+
+    def within_share(self) -> bool:
+        return self.ctx.runtime.samples + self.admitted < self.share()
+
+    async def admit_training(self, samples: int, limit_s: float, first_attempt: bool = True) -> None:
         """Wait (up to ``limit_s``) until ``batch_open``, then count ``samples`` as admitted; the caller calls
-        ``release`` when the microbatch is done, whatever happened. ``batch_full`` (retryable) after ``limit_s``."""
+        ``release`` when the microbatch is done, whatever happened. ``batch_full`` (retryable) after ``limit_s``.
+
+        A microbatch on its ``first_attempt`` that finds this replica holding its share of the batch (``share``)
+        while the batch still has room is redirected at once (``over_share``: its sender tries another replica of
+        the stage). A retry over our share waits up to ``SHARE_WAIT_S`` for the batch to close (the others'
+        announcements catching up: it then waits for the step like any other) and is taken after that whatever the
+        share: the shares come from records that may be stale (a replica that just died keeps one until its record
+        expires), and a share must never stall a stage or abandon work.
+        """
+        if not self.within_share() and self.batch_open():
+            if first_attempt:
+                self.share_redirects += 1
+                raise RpcError(OVER_SHARE, f"this replica of stage {self.ctx.stage_index} holds its share "
+                                           f"({self.share()} samples) of step {self.ctx.runtime.step + 1}'s batch")
+            give_up = time.monotonic() + SHARE_WAIT_S
+            while not self.within_share() and self.batch_open() and time.monotonic() < give_up:
+                await asyncio.sleep(0.05)
         t0 = time.monotonic()
         logged = False
         while not self.batch_open():
@@ -328,8 +381,12 @@ class ReplicaSync:
         """Remember what the replicas at our step (or one ahead: they applied the step we are still applying)
         accumulated toward the next step."""
         step = self.ctx.runtime.step
-        self.others_samples = sum(r.samples for r in recs if r.state == PeerState.SERVING.value
-                                  and step <= r.step <= step + 1)
+        serving = [r for r in recs if r.state == PeerState.SERVING.value]
+        around = [r for r in serving if step <= r.step <= step + 1]
+        self.others_samples = sum(r.samples for r in around)
+        self.others_reserved = self.others_samples + sum(r.admitted for r in around)
+        # A replica one step behind is about to join our step (it is averaging or just stepping): it has a share.
+        self.share_peers = [(r.peer_id, r.throughput) for r in serving if step - 1 <= r.step <= step + 1]
 
     async def _watch_during_rounds(self) -> None:
         """While a round runs the tick loop waits for it: keep ``others_samples`` and our announced count fresh."""
@@ -368,9 +425,9 @@ class ReplicaSync:
     async def _announce_samples(self, min_interval_s: float) -> None:
         """Publish our record when our sample count changed (at most every ``min_interval_s``): replicas decide
         when to step, and how much to admit, from each other's counts."""
-        samples = self.ctx.runtime.samples
-        if samples != self._announced_samples and time.monotonic() - self._announced_at > min_interval_s:
-            self._announced_samples, self._announced_at = samples, time.monotonic()
+        counts = (self.ctx.runtime.samples, self.admitted)
+        if counts != self._announced_counts and time.monotonic() - self._announced_at > min_interval_s:
+            self._announced_counts, self._announced_at = counts, time.monotonic()
             await self.ctx.announce()
 
     async def _step_when_ready(self, others_samples: int, n_others: int) -> None:
@@ -477,6 +534,13 @@ class ReplicaSync:
 
     async def round(self, n_others: int, stalled: bool = False) -> None:
         """Take this replica's next step: averaged with ``n_others`` replicas at our step, or on our own."""
+        self.stepping = True
+        try:
+            await self._round(n_others, stalled)
+        finally:
+            self.stepping = False
+
+    async def _round(self, n_others: int, stalled: bool) -> None:
         c, rt = self.ctx, self.ctx.runtime
         t0 = time.monotonic()
         samples, grads = await c.run_compute(rt.take_gradients, self.gradient_dtype)

@@ -1,0 +1,219 @@
+"""``agora bench convergence``: what the swarm learns per token against centralized training, one change at a time.
+
+Per seed, centralized ``train-local`` first, then a swarm per row, every arm on exactly the centralized tokens
+(``StopRule.exact_tokens``) and validated on the same held-out batches once the stages applied every sample. The
+rows add one source of difference at a time to ``serial``, then all together:
+
+  serial          one replica per stage, one microbatch in flight, ``batch.overlap_rounds`` off: the same
+                  computation as centralized (whose arm streams the same shard in the same order), to float rounding
+  overlap         ``serial`` with rounds overlapping the next step's forwards (their weights one step old)
+  in_flight       ``serial`` with ``in_flight`` microbatches in flight (pipelining within a step)
+  replicas        ``serial`` with ``replicas`` per stage, full averaging
+  powersgd        ``replicas`` averaged by PowerSGD
+  sparse          ``replicas`` with sparse averaging
+  all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run)
+  all_no_overlap  ``all`` with overlap off
+  all_capped      ``all`` with every peer's link capped at ``link_mbps`` (only with ``link_mbps``)
+
+Reported per row: the validation loss ratio to the same seed's centralized run (median and min-max over seeds), the
+steps each stage took (a centralized run takes ``steps``), and the training-loss curves against tokens (plot).
+The why of each row is in ``docs/AVERAGING.md`` ("Convergence parity").
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from agora.bench.common import markdown_table, write_result
+from agora.lab.demo import DemoOptions, LinkOptions, StopRule, SwarmShape, demo_manifest, run_demo
+from agora.lab.demo_summary import trainer_summaries
+from agora.lab.train_local import train_local
+
+ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "sparse", "all", "all_no_overlap", "all_capped")
+# The issue's targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
+TARGETS = {"serial": 1.001, "all": 1.02, "all_no_overlap": 1.02, "powersgd": 1.03, "sparse": 1.03}
+SWARM_TIMEOUT_S = 7200
+
+
+@dataclass(frozen=True)
+class ConvergenceOptions:
+    """``preset`` split into ``stages``, trained ``steps`` optimizer steps' worth of tokens per arm (100 steps of
+    ``small`` are ~410k tokens), for each of ``seeds``; ``rows``: which of ``ROWS`` (None: all that apply);
+    ``val_batches`` held-out microbatches validate every arm."""
+
+    preset: str = "small"
+    steps: int = 100
+    stages: int = 3
+    replicas: int = 2
+    in_flight: int = 4
+    seeds: tuple[int, ...] = (0, 1, 2)
+    rows: Optional[tuple[str, ...]] = None
+    link_mbps: Optional[float] = None
+    val_batches: int = 4
+
+    def row_shapes(self) -> dict[str, dict]:
+        """Each row's swarm: replicas, microbatches in flight, averaging spec (None: the preset's), link cap."""
+        r, f = self.replicas, self.in_flight
+
+        def row(replicas: int, in_flight: int, overlap: Optional[bool], averaging: Optional[str] = None,
+                mbps: Optional[float] = None) -> dict:
+            return dict(replicas=replicas, in_flight=in_flight, overlap=overlap, averaging=averaging, mbps=mbps)
+
+        shapes = {
+            "serial": row(1, 1, False),
+            "overlap": row(1, 1, True),
+            "in_flight": row(1, f, False),
+            "replicas": row(r, 1, False),
+            "powersgd": row(r, 1, False, "powersgd"),
+            "sparse": row(r, 1, False, "sparse"),
+            "all": row(r, f, None),
+            "all_no_overlap": row(r, f, False),
+        }
+        if self.link_mbps is not None:
+            shapes["all_capped"] = row(r, f, None, mbps=self.link_mbps)
+        if self.rows is None:
+            return shapes
+        unknown = [name for name in self.rows if name not in shapes]
+        if unknown:
+            raise ValueError(f"unknown or inapplicable rows {unknown}; choose from {sorted(shapes)} "
+                             f"(all_capped needs link_mbps)")
+        return {name: shapes[name] for name in self.rows}
+
+
+def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[str], None] = print) -> dict:
+    """Every seed's centralized run and swarm rows; ``OUT/result.json``, ``OUT/result.md``, ``OUT/convergence.png``
+    (rewritten after each run, so a long benchmark stopped midway keeps what it measured)."""
+    opts = options or ConvergenceOptions()
+    if opts.steps < 1 or not opts.seeds:
+        raise ValueError("steps must be at least 1 and seeds not empty")
+    shapes = opts.row_shapes()
+    out = Path(out)
+    runs: list[dict] = []
+    for seed in opts.seeds:
+        manifest = demo_manifest(opts.preset, opts.stages, seed=seed)
+        folder = out / f"seed{seed}"
+        log(f"[convergence] seed {seed}: centralized, {opts.preset}, {opts.steps} steps")
+        central = train_local(manifest, opts.steps, folder / "centralized", val_batches=opts.val_batches,
+                              eval_every=max(1, opts.steps // 5), shard=(0, 1))
+        runs.append({"seed": seed, "row": "centralized", "tokens": central["tokens"], "val_loss": central["val_loss"],
+                     "loss_ratio": 1.0, "steps_per_stage": {str(s): opts.steps for s in range(opts.stages)},
+                     "wall_s": central["wall_s"],
+                     "curve": [[h["tokens"], h["loss"]] for h in central["history"]],
+                     "val_curve": [[e["tokens"], e["val_loss"]] for e in central["evals"]]})
+        for name, shape in shapes.items():
+            log(f"[convergence] seed {seed}: {name} ({_describe(shape)})")
+            runs.append(_swarm_row(folder / name, opts, seed, name, shape, central))
+            _write(out, opts, runs)
+    result = _write(out, opts, runs)
+    log(result["markdown"])
+    return result
+
+
+def _describe(shape: dict) -> str:
+    overlap = {None: "preset's overlap", True: "overlap", False: "no overlap"}[shape["overlap"]]
+    link = f", links {shape['mbps']:g} Mbit/s" if shape["mbps"] else ""
+    return (f"{shape['replicas']} replicas, {shape['in_flight']} in flight, {overlap}, "
+            f"{shape['averaging'] or 'preset'} averaging{link}")
+
+
+def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, shape: dict, central: dict) -> dict:
+    s = run_demo(DemoOptions(
+        out=folder,
+        shape=SwarmShape(preset=opts.preset, stages=opts.stages, replicas=shape["replicas"],
+                         in_flight=shape["in_flight"], averaging=shape["averaging"], val_batches=opts.val_batches,
+                         seed=seed, overlap_rounds=shape["overlap"]),
+        stop=StopRule(steps=opts.steps, tokens=central["tokens"], exact_tokens=True, timeout=SWARM_TIMEOUT_S),
+        link=LinkOptions(mbps=shape["mbps"]) if shape["mbps"] else LinkOptions(),
+        live=False, sample_tokens=0))
+    if not s["finished"]:
+        raise RuntimeError(f"seed {seed}, row {name}: the swarm did not train {central['tokens']} tokens within "
+                           f"{SWARM_TIMEOUT_S}s; see {folder}")
+    trainer_summaries(s, folder)  # raises when a trainer's tokens or validation went missing
+    val = s["val_loss"]
+    nodes = s.get("nodes") or []
+    return {"seed": seed, "row": name, **shape,
+            "tokens": s["tokens"], "val_loss": val,
+            "loss_ratio": (val if val is not None else float("nan")) / central["val_loss"],
+            "steps_per_stage": s["steps_per_stage"], "settled": s["settled"], "wall_s": s["wall_s"],
+            "rounds_ok": s["rounds_ok"], "rounds_failed": s["rounds_failed"],
+            "share_redirects": sum(int(n.get("share_redirects") or 0) for n in nodes),
+            "curve": [[p["tokens"], p["loss"]] for p in s["loss_curve"]]}
+
+
+def summarize_rows(runs: list[dict], steps: int) -> dict[str, dict]:
+    """Per row, over seeds: the loss ratio and validation loss (median, min, max), whether every stage of every
+    seed took ``steps`` steps, and the target (if the issue set one) and whether the median meets it."""
+    rows: dict[str, dict] = {}
+    for name in dict.fromkeys(r["row"] for r in runs):
+        mine = [r for r in runs if r["row"] == name]
+        ratios = [r["loss_ratio"] for r in mine]
+        vals = [r["val_loss"] for r in mine]
+        target = TARGETS.get(name)
+        rows[name] = {
+            "seeds": [r["seed"] for r in mine],
+            "loss_ratio": _spread(ratios), "val_loss": _spread(vals),
+            "steps_min": min(min(r["steps_per_stage"].values()) for r in mine),
+            "steps_max": max(max(r["steps_per_stage"].values()) for r in mine),
+            "equal_steps": all(set(r["steps_per_stage"].values()) == {steps} for r in mine),
+            "target": target,
+            "met": None if target is None else statistics.median(ratios) <= target,
+        }
+    return rows
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _write(out: Path, opts: ConvergenceOptions, runs: list[dict]) -> dict:
+    rows = summarize_rows(runs, opts.steps)
+    md = _markdown(rows, opts)
+    result = {"options": asdict(opts), "runs": runs, "rows": rows, "markdown": md}
+    write_result(out, "convergence", result, md)
+    _plot(out / "convergence.png", runs, opts)
+    return json.loads(json.dumps(result))
+
+
+def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
+    def fmt(v: dict, spec: str) -> str:
+        return f"{v['median']:{spec}} ({v['min']:{spec}}-{v['max']:{spec}})"
+
+    table = markdown_table(
+        ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage"],
+        [[name, len(r["seeds"]), fmt(r["val_loss"], ".4f"), fmt(r["loss_ratio"], ".4f"),
+          "" if r["target"] is None else f"<= {r['target']:g}", "" if r["met"] is None else ("yes" if r["met"] else "NO"),
+          f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"]]
+         for name, r in rows.items()])
+    return (f"`{opts.preset}`, {opts.stages} stages, {opts.steps} optimizer steps' tokens per arm, seeds "
+            f"{list(opts.seeds)}; median (min-max) over seeds of the validation loss and of its ratio to the same "
+            f"seed's centralized run, on the same held-out batches at equal tokens. A centralized run takes "
+            f"{opts.steps} steps.\n\n{table}")
+
+
+def _plot(path: Path, runs: list[dict], opts: ConvergenceOptions) -> None:
+    """Training loss against tokens for the first seed's arms (centralized validation points as markers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seed = opts.seeds[0]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in [r for r in runs if r["seed"] == seed]:
+        if r["curve"]:
+            xs, ys = zip(*r["curve"])
+            ax.plot(xs, ys, label=r["row"], linewidth=1.8 if r["row"] == "centralized" else 1.0)
+        if r.get("val_curve"):
+            xs, ys = zip(*r["val_curve"])
+            ax.plot(xs, ys, "k^", label="centralized validation")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{opts.preset}, seed {seed}: swarm rows against centralized at equal tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,100 @@
+"""A retried training microbatch is accumulated once: the run in progress or its cached reply answers the retry."""
+
+import asyncio
+
+import pytest
+import torch
+
+from agora.config import load_manifest
+from agora.net import transport
+from agora.net.protocol import FWD_BWD
+from agora.server.exactly_once import ExactlyOnce, microbatch_key
+from swarm_util import local_swarm, wait_until
+
+# No optimizer step during the test: every sample stays counted in the stages' accumulators.
+MAN = load_manifest("tiny").with_overrides(**{"batch.target_batch_size": 4096})
+
+
+def test_a_key_runs_once_even_when_its_first_caller_goes_away():
+    async def main():
+        once = ExactlyOnce()
+        runs = []
+
+        async def compute(tag: str):
+            runs.append(tag)
+            await asyncio.sleep(0.2)
+            return {"tag": tag}, [torch.zeros(4)]
+
+        first = asyncio.create_task(once.run(("peer", "a"), lambda: compute("first")))
+        await asyncio.sleep(0.05)
+        first.cancel()  # the caller's stream closed: its run goes on
+        retry = await once.run(("peer", "a"), lambda: compute("retry"))  # waits for the run in progress
+        again = await once.run(("peer", "a"), lambda: compute("again"))  # answered from the cache
+        other = await once.run(("peer", "b"), lambda: compute("other"))
+        unlabelled = [await once.run(None, lambda: compute("x")) for _ in range(2)]
+        return runs, retry, again, other, unlabelled, once.duplicates
+
+    runs, retry, again, other, unlabelled, duplicates = asyncio.run(main())
+    assert runs == ["first", "other", "x", "x"]
+    assert retry[0] == again[0] == {"tag": "first"} and other[0] == {"tag": "other"}
+    assert duplicates == 2 and [u[0] for u in unlabelled] == [{"tag": "x"}] * 2
+
+
+def test_a_failed_run_runs_again_and_the_cache_stays_within_its_bytes():
+    async def main():
+        once = ExactlyOnce(max_bytes=1000)
+        calls = []
+
+        async def failing():
+            calls.append("fail")
+            raise RuntimeError("downstream unreachable")
+
+        async def big(i: int):
+            calls.append(i)
+            return {}, [torch.zeros(100)]  # 400 bytes
+
+        with pytest.raises(RuntimeError):
+            await once.run(("p", "f"), failing)
+        await once.run(("p", "f"), lambda: big(0))  # nothing was kept of the failure: it runs
+        for i in range(1, 5):
+            await once.run(("p", str(i)), lambda i=i: big(i))
+        await asyncio.sleep(0)
+        return calls, once.bytes, list(once.done)
+
+    calls, nbytes, kept = asyncio.run(main())
+    assert calls == ["fail", 0, 1, 2, 3, 4]
+    assert nbytes <= 1000 and kept == [("p", "3"), ("p", "4")]
+
+
+def test_labels_are_bounded_strings():
+    assert microbatch_key("peer", {"mb": "ab12"}) == ("peer", "ab12")
+    assert microbatch_key("peer", {}) is None
+    assert microbatch_key("peer", {"mb": 7}) is None and microbatch_key("peer", {"mb": "x" * 65}) is None
+
+
+def test_a_stage_pipeline_accumulates_a_retried_microbatch_once():
+    """A caller that gives up mid-way (its timeout) and retries the same labelled microbatch: each stage ran it
+    once (samples counted once, one backward), and the retry's reply is the gradient of the one run."""
+
+    async def main():
+        async with local_swarm(MAN, [0, 1]) as (boot, peers, nodes):
+            head, tail = nodes
+            await wait_until(lambda: len(head.downstream.records) == 1, 30, "the head to see the tail")
+            p2p = await boot.replicate_p2p()
+            gen = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, MAN.model.vocab_size, (4, MAN.model.seq_len), generator=gen, dtype=torch.int32)
+            last = torch.randint(0, MAN.model.vocab_size, (4,), generator=gen, dtype=torch.int32)
+            meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 0, "train": True, "mb": "retry-me"}
+            with pytest.raises(transport.RpcError):
+                await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, meta, [tokens, last], timeout=0.01)
+            first, _ = await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, meta, [tokens, last], timeout=60)
+            again, _ = await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, meta, [tokens, last], timeout=60)
+            fresh, _ = await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, dict(meta, mb="another"),
+                                            [tokens, last], timeout=60)
+            return ([n.runtime.samples for n in nodes], [n.counters.backward for n in nodes], first, again, fresh,
+                    head.handler.exactly_once.duplicates)
+
+    samples, backward, first, again, fresh, duplicates = asyncio.run(main())
+    assert samples == [8, 8] and backward == [2, 2]  # two distinct microbatches of 4, each once at each stage
+    # The retry after the timeout found the run in progress, or its reply (or the timeout beat the request there).
+    assert first["loss"] == again["loss"] == fresh["loss"] and duplicates in (1, 2)
