@@ -113,6 +113,18 @@ def certify(
     console.print(f"wrote {out}: peer {peer} may take part in run {run_id!r}")
 
 
+def _parse_shard(shard: str) -> tuple[int, int]:
+    """``INDEX/COUNT`` as two ints with 0 <= INDEX < COUNT; a clear error (exit 2) otherwise."""
+    try:
+        index, count = (int(x) for x in shard.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        console.print(f"[red]error:[/red] --shard must look like INDEX/COUNT with 0 <= INDEX < COUNT, got {shard!r}")
+        raise typer.Exit(2)
+    return index, count
+
+
 @app.command("train-local")
 def train_local_cmd(
     manifest: str = typer.Option("tiny", help="preset or YAML file"),
@@ -120,6 +132,8 @@ def train_local_cmd(
     out: Path = typer.Option(Path("runs/local")),
     eval_every: int = typer.Option(0, help="validate every N steps (0: only at the end)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    shard: Optional[str] = typer.Option(None, help="train on data shard INDEX/COUNT in the order `agora train "
+                                                   "--shard` streams it (default: the whole training split)"),
 ) -> None:
     """Centralized baseline: train the whole model in this process; writes summary.json, loss.png, report.html."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -128,6 +142,7 @@ def train_local_cmd(
     from agora.roles import check_memory
 
     m = _manifest(manifest)
+    data_shard = _parse_shard(shard) if shard is not None else None
     _join_errors(lambda: check_memory(m, None))  # refuse before allocating: an OOM kill explains nothing
     with Progress(
         TextColumn("[bold]train-local"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
@@ -139,7 +154,8 @@ def train_local_cmd(
         def on_step(rec: dict) -> None:
             progress.update(task, advance=1, loss=f"{rec['loss']:.3f}", tps=f"{rec['tokens'] / rec['wall_s']:.0f}")
 
-        summary = train_local(m, steps, out, eval_every=eval_every, threads=threads, on_step=on_step)
+        summary = train_local(m, steps, out, eval_every=eval_every, threads=threads, on_step=on_step,
+                              shard=data_shard)
     console.print(
         f"done: {summary['tokens']} tokens in {summary['wall_s']:.1f}s ({summary['tokens_per_s']:.0f} tok/s), "
         f"final train loss {summary['train_loss'][-1]:.3f}, val loss {summary['val_loss']:.3f} -> {out}/summary.json"
@@ -436,12 +452,7 @@ def train(
     from agora.roles import TrainerRun, run_trainer
 
     m = _start_role(log_level, manifest)
-    try:
-        index, count = (int(x) for x in shard.split("/"))
-        assert 0 <= index < count
-    except (ValueError, AssertionError):
-        console.print(f"[red]error:[/red] --shard must look like INDEX/COUNT with 0 <= INDEX < COUNT, got {shard!r}")
-        raise typer.Exit(2)
+    index, count = _parse_shard(shard)
     opts = TrainerOptions(in_flight=in_flight)
     run = TrainerRun(shard=(index, count), max_tokens=max_tokens, summary=summary, val_batches=val_batches,
                      settle_s=settle_s)

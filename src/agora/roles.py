@@ -256,6 +256,7 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "local_steps": sum(s.local_steps for s in syncs),
         "resyncs": sum(s.resyncs for s in syncs),
         "share_redirects": sum(s.share_redirects for s in syncs),
+        "share_overflows": sum(s.share_overflows for s in syncs),
         "duplicate_microbatches": node.handler.exactly_once.duplicates,
         "aborted_rounds": sum(s.aborted_rounds for s in syncs),
         "averaging_bytes_sent": sum(s.bytes_sent for s in syncs),

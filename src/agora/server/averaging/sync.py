@@ -140,6 +140,7 @@ class ReplicaSync:
         self.others_reserved = 0  # that, plus what they announced as admitted and still in flight
         self.share_peers: list[tuple[str, float]] = []  # replicas around our step and their throughput (shares)
         self.stepping = False  # between taking the batch's gradients and applying the step (``round``)
+        self.share_overflows = 0  # retried microbatches taken beyond our share (the others' counts looked stale)
         self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
         ctx.runtime.fingerprint_at = lambda step: self.fingerprint if self.fingerprint_step == step else None
 
@@ -345,32 +346,44 @@ class ReplicaSync:
         """Wait (up to ``limit_s``) until ``batch_open``, then count ``samples`` as admitted; the caller calls
         ``release`` when the microbatch is done, whatever happened. ``batch_full`` (retryable) after ``limit_s``.
 
-        A microbatch on its ``first_attempt`` that finds this replica holding its share of the batch (``share``)
-        while the batch still has room is redirected at once (``over_share``: its sender tries another replica of
-        the stage). A retry over our share waits up to ``SHARE_WAIT_S`` for the batch to close (the others'
-        announcements catching up: it then waits for the step like any other) and is taken after that whatever the
-        share: the shares come from records that may be stale (a replica that just died keeps one until its record
-        expires), and a share must never stall a stage or abandon work.
+        When the batch has room but this replica holds its share of it (``share``), a microbatch on its
+        ``first_attempt`` is redirected (``over_share``: its sender tries another replica of the stage), and a
+        retry waits up to ``SHARE_WAIT_S`` for the others' announcements to close the batch or for a step to open a
+        new share; it is then taken whatever the share: the shares come from records that may be stale (a replica
+        that just died keeps one until its record expires), and a share must never stall a stage or abandon work.
+        The conditions are checked together on every pass, with nothing awaited between the last check and the
+        count, so microbatches released together by a step still take only the share.
         """
-        if not self.within_share() and self.batch_open():
-            if first_attempt:
-                self.share_redirects += 1
-                raise RpcError(OVER_SHARE, f"this replica of stage {self.ctx.stage_index} holds its share "
-                                           f"({self.share()} samples) of step {self.ctx.runtime.step + 1}'s batch")
-            give_up = time.monotonic() + SHARE_WAIT_S
-            while not self.within_share() and self.batch_open() and time.monotonic() < give_up:
-                await asyncio.sleep(0.05)
         t0 = time.monotonic()
+        over_share_since: Optional[float] = None
         logged = False
-        while not self.batch_open():
-            waited = time.monotonic() - t0
-            if waited > limit_s:
-                raise RpcError("batch_full", f"stage {self.ctx.stage_index} holds its whole target batch and has not "
-                                             f"taken step {self.ctx.runtime.step + 1} for {waited:.0f}s")
-            if not logged and waited > 5.0:
-                logged = True
-                logger.info(f"stage {self.ctx.stage_index}: holding a training microbatch until step "
-                            f"{self.ctx.runtime.step + 1} is taken (the target batch is complete)")
+        while True:
+            now = time.monotonic()
+            if self.batch_open():
+                if self.within_share():
+                    break
+                if first_attempt:
+                    self.share_redirects += 1
+                    raise RpcError(OVER_SHARE, f"this replica of stage {self.ctx.stage_index} holds its share "
+                                               f"({self.share()} samples) of step {self.ctx.runtime.step + 1}'s batch")
+                over_share_since = over_share_since or now
+                if now - over_share_since > SHARE_WAIT_S:
+                    self.share_overflows += 1
+                    logger.info(f"stage {self.ctx.stage_index}: took a retried microbatch beyond this replica's "
+                                f"share after {SHARE_WAIT_S:g}s (step {self.ctx.runtime.step + 1}: ours "
+                                f"{self.ctx.runtime.samples} + {self.admitted} in flight, the others' "
+                                f"{self.others_reserved}, share {self.share()} of {self.target} among "
+                                f"{len(self.share_peers) + 1})")
+                    break
+            else:
+                over_share_since = None
+                if now - t0 > limit_s:
+                    raise RpcError("batch_full", f"stage {self.ctx.stage_index} holds its whole target batch and has "
+                                                 f"not taken step {self.ctx.runtime.step + 1} for {now - t0:.0f}s")
+                if not logged and now - t0 > 5.0:
+                    logged = True
+                    logger.info(f"stage {self.ctx.stage_index}: holding a training microbatch until step "
+                                f"{self.ctx.runtime.step + 1} is taken (the target batch is complete)")
             await asyncio.sleep(0.05)
         self.admitted += samples
 
