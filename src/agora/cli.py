@@ -384,6 +384,10 @@ def node(
     checkpoint_every: int = typer.Option(0, help="save every N optimizer steps (and always on leave)"),
     metrics_port: Optional[int] = typer.Option(None, help="serve Prometheus /metrics on this port"),
     rebalance_every: float = typer.Option(15.0, help="seconds between checks whether to move to a weaker stage (0: never)"),
+    averaging_timeout: float = typer.Option(20.0, min=1.0, help="seconds a replica round may take to form, and "
+                                                                 "then to all-reduce (raise it for large stages or "
+                                                                 "slow links: a round that times out is a local "
+                                                                 "step, and replicas then resync)"),
     summary: Optional[str] = typer.Option(None, help="write a JSON summary of this node here"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads for this node"),
     attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): "
@@ -418,7 +422,8 @@ def node(
     console.print(f"computing on {compute.device} in {compute.precision}, backward {compute.backward}"
                   + (", optimizer offloaded to host RAM" if compute.offload_optimizer else ""))
     opts = NodeOptions(compute=compute, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
-                       rebalance_every_s=rebalance_every, sentinel=sentinel or sentinel_log is not None,
+                       rebalance_every_s=rebalance_every, averaging_timeout_s=averaging_timeout,
+                       sentinel=sentinel or sentinel_log is not None,
                        sentinel_log=sentinel_log,
                        incoming_budget_bytes=int(incoming_budget_mib * 2**20) if incoming_budget_mib else None)
     setup = None

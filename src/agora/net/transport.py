@@ -228,11 +228,9 @@ class _RequestStream:
             pass
 
     async def linger(self) -> None:
-        """After an error reply to a request not read to its end: discard what still comes until the caller, who
-        has our reply now, closes the stream, for at most ``drain_s``. Closing at once could reset the stream and
-        lose the reply in flight; discarding costs no memory."""
-        if self.ended:
-            return
+        """After our reply: discard what still comes until the caller, who has the reply now, closes the stream, for
+        at most ``drain_s``. Closing at once could reset the stream and lose the reply in flight (a caller then sees
+        ``connection_lost`` after the request ran); discarding costs no memory."""
 
         async def discard() -> None:
             while await self.reader.read(_DISCARD_CHUNK_BYTES):
