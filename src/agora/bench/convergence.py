@@ -22,7 +22,6 @@ The why of each row is in ``docs/AVERAGING.md`` ("Convergence parity").
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -108,8 +107,8 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
             log(f"[convergence] seed {seed}: {name} ({_describe(shape)})")
             runs.append(_swarm_row(folder / name, opts, seed, name, shape, central))
             _write(out, opts, runs)
-    result = _write(out, opts, runs)
-    log(result["markdown"])
+    result, md = _write(out, opts, runs)
+    log(md)
     return result
 
 
@@ -169,13 +168,13 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def _write(out: Path, opts: ConvergenceOptions, runs: list[dict]) -> dict:
+def _write(out: Path, opts: ConvergenceOptions, runs: list[dict]) -> tuple[dict, str]:
     rows = summarize_rows(runs, opts.steps)
     md = _markdown(rows, opts)
-    result = {"options": asdict(opts), "runs": runs, "rows": rows, "markdown": md}
+    result = {"options": asdict(opts), "runs": runs, "rows": rows}
     write_result(out, "convergence", result, md)
     _plot(out / "convergence.png", runs, opts)
-    return json.loads(json.dumps(result))
+    return result, md
 
 
 def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Hashable, Optional
 
-Reply = tuple[dict, list]
+from agora.client.router import Reply
 
 MAX_LABEL_CHARS = 64
 

@@ -40,6 +40,7 @@ logger = logging.getLogger("agora.averaging")
 
 POLL_S = 0.3
 SHARE_WAIT_S = 3.0  # how long a retried microbatch over our share waits for the others' counts before it is taken
+ZERO_SAMPLE_WEIGHT = 1e-6  # hivemind requires positive weights; this keeps an empty replica's influence < fp32 eps
 
 
 def batch_shares(target: int, microbatch: int, peers: list[tuple[str, float]]) -> dict[str, int]:
@@ -59,7 +60,6 @@ def batch_shares(target: int, microbatch: int, peers: list[tuple[str, float]]) -
     for i in by_fraction[:units - sum(given)]:
         given[i] += 1
     return {p: g * microbatch for p, g in zip(ids, given)}
-ZERO_SAMPLE_WEIGHT = 1e-6  # hivemind requires positive weights; this keeps an empty replica's influence < fp32 eps
 
 
 def parameter_fingerprint(module: torch.nn.Module) -> float:
