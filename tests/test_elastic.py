@@ -53,19 +53,20 @@ def _max_diff(a: StageNode, b: StageNode) -> float:
 class Cluster:
     """An in-process swarm that grows one node at a time (own options per node) and can crash nodes."""
 
-    def __init__(self):
-        self.boot = make_dht(manifest=MAN)
+    def __init__(self, manifest=MAN):
+        self.manifest = manifest
+        self.boot = make_dht(manifest=manifest)
         self.peers = visible_maddrs(self.boot)
         self.dhts = [self.boot]
         self.nodes: list[StageNode] = []
         self.crashed: list[StageNode] = []
 
     async def add(self, stage: int, opts: NodeOptions, resume=None) -> StageNode:
-        dht = make_dht(self.peers, manifest=MAN)
+        dht = make_dht(self.peers, manifest=self.manifest)
         self.dhts.append(dht)
-        node = StageNode(MAN, stage, dht, opts)
+        node = StageNode(self.manifest, stage, dht, opts)
         if resume is not None:
-            node.runtime.import_state(*load_stage_checkpoint(resume, MAN, stage))
+            node.runtime.import_state(*load_stage_checkpoint(resume, self.manifest, stage))
         self.nodes.append(node)
         await node.start()
         return node
@@ -94,8 +95,8 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster():
-    c = Cluster()
+async def cluster(manifest=MAN):
+    c = Cluster(manifest)
     try:
         yield c
     finally:
@@ -254,13 +255,17 @@ def test_joining_peer_takes_the_weakest_stage_and_its_replicas_state_before_serv
 
 def test_peer_moves_to_the_bottleneck_stage_and_back_if_it_cannot_sync(monkeypatch):
     """Three head peers, one tail: exactly one head peer (the smallest id) moves to the tail, takes the tail's
-    state, serves it, and nobody moves after it. A move whose state download fails goes back to the old stage."""
+    state, serves it, and nobody moves after it. The mover waits out ``security.state_access.period_s`` before the
+    tail's replicas serve it their state (one identity holds one stage per period). A move whose state download
+    fails goes back to the old stage."""
+    period = 4.0
+    man = MAN.with_overrides(**{"security.state_access.period_s": period})
     plain = NodeOptions(stall_step_s=1e9, averaging_timeout_s=10.0)
     rebalancing = NodeOptions(stall_step_s=1e9, averaging_timeout_s=10.0, rebalance_every_s=1.0,
                               rebalance_dwell_s=3.0, drain_timeout_s=5.0)
 
     async def main():
-        async with cluster() as c:
+        async with cluster(man) as c:
             tail = await c.add(1, plain)
             # Give the tail a state of its own (as if trained), so that a mover's copy is verifiable.
             step, names, tensors = tail.runtime.export_state()
@@ -284,9 +289,11 @@ def test_peer_moves_to_the_bottleneck_stage_and_back_if_it_cannot_sync(monkeypat
             assert mover.stage_index == 1 and mover.state == PeerState.SERVING and mover.step == 5
             assert _max_diff(mover, tail) < 1e-6
             assert [e["to_stage"] for e in mover.events if e["kind"] == "moved"] == [1]
+            assert [e["seconds"] for e in mover.events if e["kind"] == "moved"][0] >= period
+            assert tail.state_access.granted == 1  # the mover's download went through the front door
             rebalancing.rebalance_every_s = 0  # measured throughputs from here on could justify other moves
             # The pipeline works through the new layout.
-            trainer = Trainer(MAN, c.boot, shard=None)
+            trainer = Trainer(man, c.boot, shard=None)
             await trainer.start()
             await _wait(lambda: len([r for r in trainer.swarm[1] if r.state == "serving"]) == 2, 30, "tail records")
             assert all(x is not None for x in await asyncio.gather(*(trainer.send(x) for x in _batches(4))))

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Protocol Learning: train one model as a swarm.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write JSON + Markdown results.")
@@ -78,7 +79,7 @@ def sign_manifest_cmd(
         authority = load_private_key(key)
         m = parse_manifest(yaml.safe_load(manifest_file.read_text()), str(manifest_file))
     except (OSError, ValueError, yaml.YAMLError) as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     if (m.security.authority or "").encode() != public_key_bytes(authority):
         console.print(f"[red]error:[/red] security.authority of {manifest_file} is not the public key of {key}; put "
@@ -107,7 +108,7 @@ def certify(
         authority = load_private_key(key)
         peer = peer_id_of(text)
     except (OSError, ValueError) as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     certify_key(authority, run_id, text, out, expires=time.time() + days * 86400 if days > 0 else 0.0)
     console.print(f"wrote {out}: peer {peer} may take part in run {run_id!r}")
@@ -278,7 +279,7 @@ def bench_convergence(
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches)
         opts.row_shapes()  # fail on a bad row name before anything runs
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     run(out, opts, log=console.print)
 
@@ -298,7 +299,7 @@ def bench_gpu(
     try:
         result = run(manifest, out, device=device, precision=precision, microbatch=microbatch, repeats=repeats)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     console.print(f"{len(result['rows'])} settings measured on {result['card']}: {out}/result.md")
 
@@ -350,7 +351,7 @@ def _join_errors(fn):
     try:
         return fn()
     except JoinError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(err.exit_code)
 
 
@@ -417,7 +418,7 @@ def node(
         compute = RuntimeOptions(device=str(resolve_device(device)), precision=precision, backward=backward,
                                  offload_optimizer=offload_optimizer)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     console.print(f"computing on {compute.device} in {compute.precision}, backward {compute.backward}"
                   + (", optimizer offloaded to host RAM" if compute.offload_optimizer else ""))
@@ -551,7 +552,7 @@ def demo(
     try:  # refuse a bad link setup with one line, before anything starts
         plan_links(link_mbps, link_latency_ms, link_backend)
     except (ValueError, RuntimeError) as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     summary = run_demo(DemoOptions(
         out=out,
@@ -600,7 +601,7 @@ def _model_errors(fn):
     try:
         return fn()
     except (UnsupportedCheckpoint, ManifestError, DataError, RpcError, ValueError, KeyError, FileNotFoundError) as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
 
 
@@ -639,9 +640,12 @@ def export_cmd(
     manifest: Optional[str] = typer.Option(None, help="the run's manifest (default: FROM/manifest.yaml)"),
     out: Path = typer.Option(..., help="folder to write the model to"),
     timeout: float = typer.Option(120.0, help="with --initial-peers: seconds per state download"),
+    identity: Optional[str] = typer.Option(None, help="with --initial-peers: your key file (`agora keygen`); its "
+                                                      "peer id must be in the manifest's security.state_access.readers"),
 ) -> None:
     """Gather one replica of every stage into one model: a Hugging Face folder for dense runs (transformers loads
-    it), agora's single-file format for subspace runs; `agora eval` and `agora generate` load both."""
+    it), agora's single-file format for subspace runs; `agora eval` and `agora generate` load both. From a live
+    swarm only a state reader named in the manifest may do this (docs/TRUST.md)."""
     from agora.ops.model_io import MANIFEST_FILE, export_model, gather_from_checkpoints, merge_stages, run_tokenizer
 
     if (source is None) == (not initial_peers):
@@ -657,7 +661,7 @@ def export_cmd(
             return gather_from_checkpoints(m, source)
         from agora.roles import download_stages
 
-        return download_stages(m, initial_peers, timeout)
+        return download_stages(m, initial_peers, timeout, identity)
 
     stages, steps = _model_errors(gather)
     model = _model_errors(lambda: merge_stages(m, stages))
@@ -792,7 +796,7 @@ def plan(
         report = plan_report(m, gpu_gb, stage, microbatch, in_flight, Assumptions(attention=attention),
                              Search(precision, checkpointing), host_gb)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     if as_json:
         print(json.dumps(report, indent=1))

@@ -261,6 +261,7 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "aborted_rounds": sum(s.aborted_rounds for s in syncs),
         "averaging_bytes_sent": sum(s.bytes_sent for s in syncs),
         "moves": node.moves,
+        **node.state_access.summary(),
         "maddrs": node.maddrs,
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),
@@ -359,11 +360,15 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endp
 # --------------------------------------------------------------------------- reading a live swarm's model
 
 
-def download_stages(manifest: Manifest, initial_peers: Sequence[str], timeout: float) -> tuple[list, dict[int, int]]:
+def download_stages(manifest: Manifest, initial_peers: Sequence[str], timeout: float,
+                    identity: Optional[str] = None) -> tuple[list, dict[int, int]]:
     """One replica of every stage of a live swarm (``get_state``), the most advanced serving replica first and
     the next one tried when a download fails: (stages, step of each). Raises ValueError naming a stage that no
-    serving peer could provide."""
-    dht = make_dht(initial_peers, client_mode=True, manifest=manifest, writes=False)
+    serving peer could provide. Peers serve every stage only to a ``security.state_access.readers`` identity:
+    ``identity`` is that key's file."""
+    from agora.net.dht import Endpoint
+
+    dht = make_dht(initial_peers, Endpoint(identity=identity), client_mode=True, manifest=manifest, writes=False)
     try:
         return fetch_stages(dht, manifest, timeout)
     finally:
@@ -403,7 +408,11 @@ async def _download_stages(dht, manifest: Manifest, snap: dict, timeout: float) 
             steps[index] = int(reply["step"])
             break
         else:
-            raise ValueError(f"stage {index}: every download failed ({'; '.join(errors)})")
+            hint = ""
+            if any("unauthorized" in e for e in errors):
+                hint = (f"; peer {p2p.peer_id} is not a state reader of this run: pass --identity KEYFILE of a peer "
+                        f"id listed in the manifest's security.state_access.readers")
+            raise ValueError(f"stage {index}: every download failed ({'; '.join(errors)}){hint}")
     return stages, steps
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Literal, Optional
@@ -135,6 +136,34 @@ class DataConfig(_Strict):
         return path
 
 
+PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,128}$"  # base58 libp2p peer id, as `agora keygen` prints it
+
+
+class StateAccessConfig(_Strict):
+    """Who may download a stage's parameters and optimizer state (``get_state``; server/state_access.py)."""
+
+    readers: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="peer ids that may download every stage (the run's operators: live export, the demo's checks); "
+        "they take the whole model home by design, so list only who should",
+    )
+    period_s: float = Field(
+        default=60.0, gt=0, le=86_400,
+        description="an identity that downloaded or served one stage gets no other stage's state for this long",
+    )
+    downloads_per_period: int = Field(
+        default=4, ge=1, le=1000, description="new state downloads one identity may start per period at one server"
+    )
+
+    @model_validator(mode="after")
+    def _peer_ids(self) -> "StateAccessConfig":
+        bad = [r for r in self.readers if not re.match(PEER_ID_PATTERN, r)]
+        if bad:
+            raise ValueError(f"security.state_access.readers: {bad[0]!r} is not a peer id (base58, as printed by "
+                             f"`agora keygen KEYFILE`)")
+        return self
+
+
 class SecurityConfig(_Strict):
     """Who speaks for the run. Part of the manifest (and its hash), so changing the authority makes another run."""
 
@@ -146,6 +175,7 @@ class SecurityConfig(_Strict):
     allow_list: bool = Field(
         default=False, description="only peers holding a certificate of the authority (`agora certify`) take part"
     )
+    state_access: StateAccessConfig = StateAccessConfig()
 
     @model_validator(mode="after")
     def _allow_list_needs_authority(self) -> "SecurityConfig":
@@ -246,6 +276,8 @@ class Manifest(_Strict):
         data = self.model_dump(mode="json")
         if self.averaging == AveragingConfig():
             del data["averaging"]
+        if self.security.state_access == StateAccessConfig():
+            del data["security"]["state_access"]  # the section came later: default manifests keep their hash
         if not self.model.tie_embeddings:
             del data["model"]["tie_embeddings"]  # the field came later: untied manifests keep their hash
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
@@ -254,6 +286,15 @@ class Manifest(_Strict):
     def hash(self) -> str:
         """Stable content hash; every peer of a run must present the same one."""
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    @property
+    def weights_hash(self) -> str:
+        """The hash of every field but ``security``: what a checkpoint's tensors mean. Who may join or read a run
+        does not change its weights, so a checkpoint resumes in a run that only differs in its security section
+        (an allow-listed copy, other state readers)."""
+        data = json.loads(self.canonical_json())
+        del data["security"]
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def with_overrides(self, **changes: object) -> "Manifest":
         """A copy with dotted-key overrides (``{"optimizer.lr": 1e-3}``), re-validated."""

@@ -149,7 +149,7 @@ class NodeExtras:
 @dataclass(frozen=True)
 class DemoOptions:
     """Everything a demo run is told. ``measure_divergence``: at the end, stop the trainers, let the replicas
-    settle and compare their parameters (not with ``allow_list``). ``allow_list``: an invitation-only run
+    settle and compare their parameters. ``allow_list``: an invitation-only run
     (:class:`LocalAuthority`). ``live``: the progress table; ``dashboard_port``: also serve the dashboard there;
     ``on_tick``: called with every swarm status the demo reads."""
 
@@ -215,7 +215,7 @@ class DemoRun:
     def __init__(self, options: DemoOptions):
         self.options = options
         self.out = Path(options.out)
-        self.manifest, self.manifest_path, self.authority = _write_manifest(options, self.out)
+        self.manifest, self.manifest_path, self.authority, self.operator_key = _write_manifest(options, self.out)
         link = options.link
         self.plan = plan_links(link.mbps, link.latency_ms, link.backend)
         console.print(self.plan.describe())
@@ -280,11 +280,13 @@ class DemoRun:
         process is forked into a namespace of its own, the demo itself stays on the host."""
         from agora.net.dht import Endpoint, make_dht
 
+        identity = str(self.operator_key)  # a state reader of the run (``_write_manifest``)
         if self.topology is None:
-            return make_dht([maddr], client_mode=True, manifest=self.manifest, writes=False)
+            return make_dht([maddr], Endpoint(identity=identity), client_mode=True, manifest=self.manifest,
+                            writes=False)
         self.observer = self.topology.add_peer()
-        return make_dht([maddr], Endpoint(host=self.observer.address, netns=self.observer.netns), client_mode=True,
-                        manifest=self.manifest, writes=False)
+        return make_dht([maddr], Endpoint(host=self.observer.address, netns=self.observer.netns, identity=identity),
+                        client_mode=True, manifest=self.manifest, writes=False)
 
     def train(self) -> bool:
         """Read the swarm's status about every second until the stop rule holds (True) or the timeout passes
@@ -535,18 +537,24 @@ class DemoRun:
         }
 
 
-def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Optional[LocalAuthority]]:
-    """The run's manifest, written to ``OUT/manifest.yaml`` (secured and signed for an allow-listed run)."""
+def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Optional[LocalAuthority], Path]:
+    """The run's manifest, written to ``OUT/manifest.yaml`` (secured and signed for an allow-listed run), and the
+    demo's own identity ``OUT/keys/operator.key``: the manifest names it a state reader
+    (``security.state_access.readers``), so the demo may download every stage to compare replicas and export the
+    model, as the operator of a real run would with ``agora export --identity``."""
+    from agora.trust.identity import ensure_identity, peer_id_of
+
     out.mkdir(parents=True, exist_ok=True)
     shape = options.shape
     manifest = demo_manifest(shape.preset, shape.stages, shape.residual, shape.averaging, shape.seed,
                              shape.overlap_rounds)
-    if options.allow_list and options.measure_divergence:
-        raise ValueError("measure_divergence downloads replica states from the demo process, which holds no "
-                         "certificate: not available with allow_list")
     authority = LocalAuthority(out / "keys") if options.allow_list else None
     if authority is not None:
         manifest = authority.secure(manifest)
+    operator = out / "keys" / "operator.key"
+    operator.parent.mkdir(parents=True, exist_ok=True)
+    readers = [*manifest.security.state_access.readers, peer_id_of(ensure_identity(operator))]
+    manifest = manifest.with_overrides(**{"security.state_access.readers": sorted(set(readers))})
     manifest_path = out / "manifest.yaml"
     manifest_path.write_text(manifest.to_yaml())
     tokenizer = manifest.data.tokenizer
@@ -561,7 +569,7 @@ def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Op
         authority.sign(manifest_path)
         console.print(f"allow-listed run: manifest signed by {out / 'keys' / 'authority.key'}; every peer gets a "
                       f"certified key in {out / 'keys'}")
-    return manifest, manifest_path, authority
+    return manifest, manifest_path, authority, operator
 
 
 def _token_shares(tokens: int, trainers: int) -> list[int]:

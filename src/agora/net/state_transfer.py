@@ -72,47 +72,57 @@ class StateSnapshots:
     def __init__(self, max_snapshots: int = MAX_SNAPSHOTS, ttl_s: float = SNAPSHOT_TTL_S):
         self.max_snapshots, self.ttl_s = max_snapshots, ttl_s
         self._by_token: dict[str, Snapshot] = {}
+        self._owners: dict[str, str] = {}  # token -> the peer it was issued to
 
     def _expire(self) -> None:
         now = time.monotonic()
         for token in [t for t, s in self._by_token.items() if s.expires < now]:
             del self._by_token[token]
+            self._owners.pop(token, None)
 
     def has_room(self) -> bool:
         self._expire()
         return len({id(s) for s in self._by_token.values()}) < self.max_snapshots
 
-    def join(self, step: int, fingerprint: object, kind: object = None) -> Optional[str]:
-        """A new token on a live snapshot of ``step`` with this ``fingerprint`` and ``kind``, or None."""
+    def join(self, step: int, fingerprint: object, kind: object = None, owner: str = "") -> Optional[str]:
+        """A new token, issued to ``owner``, on a live snapshot of ``step`` with this ``fingerprint`` and
+        ``kind``, or None."""
         self._expire()
         for snap in self._by_token.values():
             if snap.step == step and snap.fingerprint == fingerprint and snap.kind == kind:
                 token = secrets.token_hex(8)
                 self._by_token[token] = snap
+                self._owners[token] = owner
                 snap.expires = time.monotonic() + self.ttl_s
                 return token
         return None
 
     def add(self, step: int, fingerprint: object, names: list[str], tensors: list[torch.Tensor],
-            page_bytes: int = PAGE_BYTES, kind: object = None) -> str:
+            page_bytes: int = PAGE_BYTES, kind: object = None, owner: str = "") -> str:
+        """A snapshot of these tensors and a token for it, issued to ``owner`` (only it may fetch the pages)."""
         if not self.has_room():
             raise transport.RpcError("busy", f"{self.max_snapshots} state downloads are in progress; try again shortly")
         token = secrets.token_hex(8)
         self._by_token[token] = Snapshot(step, fingerprint, split_pieces(names, tensors, page_bytes),
                                          time.monotonic() + self.ttl_s, kind)
+        self._owners[token] = owner
         return token
 
-    def serve(self, token: object, offset: object, page_bytes: int = PAGE_BYTES) -> tuple[dict, list[torch.Tensor]]:
-        """The reply for one page request; errors are RpcErrors the caller can act on."""
+    def serve(self, token: object, offset: object, page_bytes: int = PAGE_BYTES,
+              owner: str = "") -> tuple[dict, list[torch.Tensor]]:
+        """The reply for one page request of ``owner``; errors are RpcErrors the caller can act on."""
         snap = self._by_token.get(token) if isinstance(token, str) else None
         if snap is None:
             raise transport.RpcError("unknown_snapshot", "no such state snapshot here (expired, or never made); "
                                                          "start the download again")
+        if self._owners.get(token) != owner:  # a token passed on is not a grant: the download was admitted for one
+            raise transport.RpcError("unauthorized", "this state snapshot was issued to another peer")
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < len(snap.pieces):
             raise transport.RpcError("bad_request", f"offset must be an integer in [0, {len(snap.pieces)})")
         names, rows, tensors, nxt = snap.page(offset, page_bytes)
         if nxt is None:
             del self._by_token[token]
+            self._owners.pop(token, None)
         else:
             snap.expires = time.monotonic() + self.ttl_s
         return {"step": snap.step, "fingerprint": snap.fingerprint, "snapshot": token, "names": names, "rows": rows,

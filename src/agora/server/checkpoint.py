@@ -28,7 +28,8 @@ def save_stage_checkpoint(
 ) -> Path:
     folder = stage_dir(root, stage)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"step": str(step), "stage": str(stage), "manifest_hash": manifest.hash, "run_id": manifest.run_id}
+    meta = {"step": str(step), "stage": str(stage), "manifest_hash": manifest.hash,
+            "weights_hash": manifest.weights_hash, "run_id": manifest.run_id}
     # The step lives inside the safetensors header, so weights and step are replaced in one atomic rename. The
     # temporary name is unique per writer: replicas of a stage sharing DIR may save at the same moment.
     tmp = folder / f"state.safetensors.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -52,8 +53,8 @@ def load_stage_checkpoint(
         return None
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
-    if meta.get("manifest_hash") != manifest.hash:
-        raise ValueError(
+    if meta.get("manifest_hash") != manifest.hash and meta.get("weights_hash") != manifest.weights_hash:
+        raise ValueError(  # (a manifest differing in its security section only is the same model: weights_hash)
             f"checkpoint {path} was written for manifest {meta.get('manifest_hash')}, this run uses {manifest.hash}"
         )
     state = load_file(str(path))

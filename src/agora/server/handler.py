@@ -178,10 +178,23 @@ class StageHandler:
         self.check_size(announced_bytes, self.largest_request, "request")
 
     async def admit_state(self, meta: dict, announced_bytes: int, caller: PeerID) -> None:
-        """The header of a ``get_state`` request: a certified caller (allow-listed runs); the request has no
-        tensors (the state is in the reply)."""
-        await self.authorize(str(caller))
+        """The header of a ``get_state`` request (it has no tensors: the state is in the reply). A new download
+        (no ``snapshot`` token) must pass ``StateAccess.admit_download``: a replica of this stage that holds no
+        other, or a reader the manifest names; the pages after the first are served to the same caller only."""
         self.check_size(announced_bytes, 0, "state request")
+        sender, access = str(caller), self.node.state_access
+        if sender not in access.readers:  # a reader is named in the (signed) manifest: no certificate needed
+            await self.authorize(sender)
+        if meta.get("snapshot") is not None:
+            return  # a later page: get_state checks that the token was issued to this caller
+        if meta.get("stage") != self.node.stage_index:
+            raise self.reject("wrong_stage", f"this peer serves stage {self.node.stage_index}")
+        try:
+            await access.admit_download(sender, self.node.stage_index)
+        except RpcError as err:
+            self._count_rejection(err.code)
+            logger.warning(f"stage {self.node.stage_index}: state download by {sender[-8:]} refused: {err}")
+            raise
 
     async def admit_info(self, meta: dict, announced_bytes: int, caller: PeerID) -> None:
         self.check_size(announced_bytes, 0, "info request")
@@ -298,17 +311,17 @@ class StageHandler:
 
     # ------------------------------------------------------------------ state and info
     async def get_state(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
-        node = self.node  # the caller was authorized at the header (admit_state)
+        node = self.node  # the caller was admitted at the header (admit_state)
         if meta.get("run_id") != self.manifest.run_id or meta.get("manifest_hash") != self.manifest.hash:
             raise RpcError("manifest_mismatch", "state requested for another run or manifest")
         if meta.get("stage") != node.stage_index:
             raise RpcError("wrong_stage", f"this peer serves stage {node.stage_index}")
         if node.state not in (PeerState.SERVING, PeerState.LEAVING) or node.sync is None:
             raise RpcError("not_serving", f"peer is {node.state.value}: its state is not settled")
-        token = meta.get("snapshot")
+        token, owner = meta.get("snapshot"), str(caller)
         kind = "params_only" if meta.get("params_only") else "full"
         if token is None and node.sync.fingerprint_valid:  # another download of this very state shares its copy
-            token = self.snapshots.join(node.runtime.step, node.sync.fingerprint, kind)
+            token = self.snapshots.join(node.runtime.step, node.sync.fingerprint, kind, owner=owner)
         if token is None:  # a new download: snapshot the state once, so every page is of one step
             if not self.snapshots.has_room():
                 raise RpcError("busy", "other state downloads are in progress here; try another replica or later")
@@ -316,9 +329,9 @@ class StageHandler:
             if kind == "params_only":  # an export needs the weights only: a third of the bytes
                 kept = [i for i, n in enumerate(names) if n.startswith("param/")]
                 names, state = [names[i] for i in kept], [state[i] for i in kept]
-            token = self.snapshots.add(step, node.sync.fingerprint, names, state, kind=kind)
+            token = self.snapshots.add(step, node.sync.fingerprint, names, state, kind=kind, owner=owner)
             del state
-        reply, page = self.snapshots.serve(token, meta.get("offset", 0))
+        reply, page = self.snapshots.serve(token, meta.get("offset", 0), owner=owner)
         if reply["next"] is None:  # the last page: once it is sent, a finished snapshot's copy is free heap
             asyncio.get_running_loop().call_later(5.0, lambda: asyncio.ensure_future(node.run_io(trim_heap)))
         return reply, page

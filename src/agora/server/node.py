@@ -31,12 +31,14 @@ from agora.config import Manifest
 from agora.net.dht import visible_maddrs
 from agora.net.admission import IncomingGate, IncomingLimits
 from agora.net.members import RunMembers
-from agora.net.records import ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_key, announce, bans_key, stage_key
+from agora.net.records import (ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_key, announce, bans_key, read_stage,
+                               stage_key)
 from agora.net.transport import TransferStats
 from agora.sentinel import AUDIT_RATE
 from agora.server.averaging import make_sync
 from agora.server.averaging.sync import ReplicaSync, SyncContext
 from agora.server.checkpoint import load_stage_checkpoint
+from agora.server.state_access import StateAccess
 from agora.server.downstream import Downstream, DownstreamHooks
 from agora.server.handler import StageHandler, largest_request_bytes
 from agora.server.inference import InferenceSessions
@@ -122,6 +124,8 @@ class StageNode:
         self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
         # Allow-listed runs: only callers holding a certified record of the run are served (see net/members.py).
         self.members = RunMembers(manifest) if manifest.security.allow_list else None
+        self.state_access = StateAccess(manifest, self.peer_id, dht, self.run_io)  # who may download our state
+        self.left_stage_at: Optional[float] = None  # unix time this node last stopped holding a stage (a move)
         self.compute_thread_id: Optional[int] = None  # native id of the compute thread once it runs (CPU accounting)
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute",
                                                               initializer=self._note_compute_thread)
@@ -234,6 +238,7 @@ class StageNode:
         self._tasks.append(asyncio.create_task(self._announce_loop(), name="announce"))
         self._tasks.append(asyncio.create_task(self._refresh_next_loop(), name="refresh-next"))
         self._tasks.append(asyncio.create_task(self.inference.run(), name="inference-expiry"))
+        self._tasks.append(asyncio.create_task(self._witness_loop(), name="state-ledger"))
         await self._join_stage()
         if self.opts.rebalance_every_s > 0:
             self._tasks.append(asyncio.create_task(self.rebalancer.run(), name="rebalance"))
@@ -255,6 +260,15 @@ class StageNode:
         self.syncs.append(self.sync)
         self.observers.emit("sync", self.sync)
         await self.announce()
+        if self.left_stage_at is not None:
+            # The stage left was witnessed in the state ledger: this stage's replicas serve us its state only once
+            # a period has passed (server/state_access.py). Meanwhile we hold nothing anybody routes work to.
+            wait = self.state_access.wait_after_leaving(self.left_stage_at)
+            if wait > 0:
+                logger.info(f"stage {self.stage_index}: waiting {wait:.0f}s before downloading its state: one "
+                            f"identity holds one stage per {self.state_access.period_s:.0f}s "
+                            f"(security.state_access.period_s)")
+                await asyncio.sleep(wait)
         synced = await self.sync.initial_sync(timeout=self.opts.sync_timeout_s)
         if not synced and require_state:
             return False
@@ -342,6 +356,7 @@ class StageNode:
     async def _leave_stage(self) -> None:
         self.state = PeerState.LEAVING
         await self.announce()
+        self.left_stage_at = time.time()
         await self._drain()
         await self._stop_sync()
 
@@ -398,6 +413,25 @@ class StageNode:
             except Exception as err:  # a DHT hiccup must not kill the node; the record just ages
                 logger.warning(f"announce failed: {err!r}")
             await asyncio.sleep(ANNOUNCE_PERIOD_S)
+
+    async def _witness_loop(self) -> None:
+        """Write what we see of our stage to the state ledger: the replicas serving it, ourselves included, a few
+        times per ``security.state_access.period_s`` (at most every 20 s), so a peer that served this stage
+        cannot take another stage's state within the period (server/state_access.py)."""
+        m, access = self.manifest, self.state_access
+        every = min(20.0, max(1.0, access.period_s / 3))
+        while True:
+            await asyncio.sleep(every)
+            if self.state != PeerState.SERVING:
+                continue
+            stage = self.stage_index
+            try:
+                recs = await self.run_io(read_stage, self.dht, m.run_id, stage, m.hash)
+                serving = {r.peer_id for r in recs if r.state == PeerState.SERVING.value} | {self.peer_id}
+                if stage == self.stage_index:  # not moved meanwhile
+                    await access.witness(stage, sorted(serving))
+            except Exception as err:  # a DHT hiccup; the next period writes again
+                logger.debug(f"writing the state ledger failed: {err!r}")
 
     async def _refresh_next_loop(self) -> None:
         """Keep the next stage's records fresh off the hot path (one DHT read a second at most)."""
