@@ -284,6 +284,29 @@ def bench_convergence(
     run(out, opts, log=console.print)
 
 
+@bench_app.command("upm")
+def bench_upm(
+    out: Path = typer.Option(Path("bench-out/upm")),
+    transforms: int = typer.Option(10_000, min=1, help="compounded boundary rotations on small"),
+    train_steps: int = typer.Option(30, min=0, help="train small this long first (0: its initial weights)"),
+    model: Optional[Path] = typer.Option(None, help="also a real pretrained model (Hugging Face folder, GGUF file or "
+                                                    "`agora import` folder; dense), cut into --real-stages"),
+    real_transforms: int = typer.Option(20, min=1, help="rotations on the real model (d x d each)"),
+    real_stages: int = typer.Option(3, min=2),
+    seed: int = typer.Option(0, min=0),
+) -> None:
+    """UPM frames: function preservation under compounded boundary rotations (fp32, fp64) and stitching of shards
+    captured at different times, against unrelated random weights."""
+    from agora.bench.upm import UpmBenchOptions, markdown, run_upm_bench
+
+    checkpoints = sorted({c for c in (1, 10, 100, 1000, 10_000) if c < transforms} | {transforms})
+    opts = UpmBenchOptions(out=out, transforms=transforms, train_steps=train_steps, model=model,
+                           real_transforms=real_transforms, real_stages=real_stages, seed=seed, checkpoints=checkpoints)
+    result = _model_errors(lambda: run_upm_bench(opts))
+    console.print(markdown(result))
+    console.print(f"wrote {out}/result.json and {out}/result.md")
+
+
 @bench_app.command("gpu")
 def bench_gpu(
     manifest: str = typer.Option("agora-8b", help="whose stages to measure (preset or YAML)"),

@@ -76,7 +76,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))  # bf16 is normalised in fp32; fp64 stays fp64
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = x.to(dtype)
         return x * self.weight if self.weight is not None else x
@@ -349,6 +349,9 @@ class Stage(nn.Module):
         cos, sin = rope_tables(shape.head_dim, shape.seq_len, shape.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # UPM (agora.frames): the map from this stage's frame into the next stage's, float64, k x k (subspace) or
+        # d x d (dense). None: no frames, the identity.
+        self.register_buffer("boundary_map", None)
         self.reset_parameters(manifest.seed)
 
     # ------------------------------------------------------------------ init
@@ -390,7 +393,20 @@ class Stage(nn.Module):
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for block in self.layers.values():
             x = block(x, cos, sin, self.basis if block.subspace else None)
-        return x
+        return self._to_next_frame(x)
+
+    def _to_next_frame(self, x: Tensor) -> Tensor:
+        """x Q(M): the residual stream in the next stage's frame (UPM). In subspace runs F U = 0, so only the k
+        coordinates move: x + (x U)(M - I) U^T."""
+        m = self.boundary_map
+        if m is None:
+            return x
+        m = m.to(x.dtype)
+        if not self.subspace:
+            return x @ m
+        u = self.basis.to(x.dtype)
+        c = x @ u
+        return x + (c @ m - c) @ u.T
 
     def _forward_cached(self, x_or_tokens: Tensor, cache: KVCache) -> Tensor:
         if cache.layers != tuple(self.layers):
@@ -410,7 +426,7 @@ class Stage(nn.Module):
         for name, block in self.layers.items():
             x = block(x, cos, sin, self.basis if block.subspace else None, cache.layer(name))
         cache.advance(t)
-        return x
+        return self._to_next_frame(x)
 
     def logits(self, x: Tensor) -> Tensor:
         if not self.spec.is_tail:

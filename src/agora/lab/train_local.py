@@ -49,6 +49,20 @@ def train_local(
     ``shard``: train on shard (index, count) of the training split in the order a swarm trainer of that shard
     streams it (``agora train --shard``), so a one-trainer swarm and this run see the very same microbatches
     (None: the whole split)."""
+    return train_model(manifest, steps, out_dir, val_batches, eval_every, threads, on_step, shard)[0]
+
+
+def train_model(
+    manifest: Manifest,
+    steps: int,
+    out_dir: Optional[Path] = None,
+    val_batches: int = 8,
+    eval_every: int = 0,
+    threads: Optional[int] = None,
+    on_step: Optional[Callable[[dict], None]] = None,
+    shard: Optional[tuple[int, int]] = None,
+) -> tuple[dict, PipelineModel]:
+    """``train_local``, also returning the trained model (benchmarks that need trained weights)."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
@@ -83,7 +97,7 @@ def train_local(
     summary = _summary(manifest, steps, tokens, wall, cpu, history, evals)
     if out_dir is not None:
         _write(summary, Path(out_dir))
-    return summary
+    return summary, model
 
 
 def _train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float) -> float:

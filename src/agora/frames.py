@@ -1,0 +1,157 @@
+"""UPM frames: function-preserving orthogonal transforms of a stage's weights (METHODS sections 6 and 7).
+
+Each stage computes in its own coordinate frame of the residual stream and ends with an explicit boundary map M
+into the next stage's frame (``Stage.boundary_map``). A rotation R at boundary b changes stage b's map (M <- M R)
+and the whole frame of stage b+1 (its reads, writes, embedding and its own map), so the swarm computes the same
+function while weights captured before and after the rotation no longer fit together. In subspace mode R acts on
+the k coordinates only: Q(R) = I + U (R - I) U^T. In dense mode (imported models) R is d x d.
+
+Transforms are computed in float64 from the stage's fp32 (or fp64) masters and written back once, so they never
+compound in low precision. docs/UPM.md has the algebra and what it does not hide.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from agora.model import Stage
+
+READS_AFTER_INPUT_NORM = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+READS_AFTER_POST_NORM = ("mlp.gate_proj", "mlp.up_proj")
+WRITES = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def haar_orthogonal(n: int, generator: torch.Generator) -> Tensor:
+    """A Haar-distributed n x n orthogonal matrix (float64): QR of a Gaussian, column signs fixed by diag(R)."""
+    a = torch.randn(n, n, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(n, dtype=torch.float64))
+
+
+def reorthogonalize(r: Tensor) -> Tensor:
+    """The orthogonal matrix nearest to ``r`` (polar factor, float64): a received or stored R is cleaned before
+    use, so rounding never accumulates into a non-orthogonal frame."""
+    u, _, vh = torch.linalg.svd(r.double())
+    return u @ vh
+
+
+@torch.no_grad()
+def exact_basis(stage: Stage) -> None:
+    """In a float64 stage, make U orthonormal to float64 precision and F orthogonal to it. U is derived in float64
+    but stored in float32, so it is orthonormal to ~1e-8 only: fine for fp32 compute, not for measuring fp64
+    transforms (tests, ``agora bench upm``). Deterministic: every stage gets the same U."""
+    if not stage.subspace:
+        return
+    if stage.basis.dtype != torch.float64:
+        raise ValueError("exact_basis is for float64 stages (call stage.double() first)")
+    q, r = torch.linalg.qr(stage.basis)
+    q = q * torch.sign(torch.diagonal(r))  # the same columns as U, up to rounding
+    stage.basis.copy_(q)
+    if stage.frozen_embed is not None:
+        f = stage.frozen_embed
+        f.copy_(f - (f @ q) @ q.T)
+
+
+def frame_width(stage: Stage) -> int:
+    """The size of a boundary rotation for this stage's run: k (subspace) or d_model (dense)."""
+    return stage.basis.shape[1] if stage.subspace else stage.shape.d_model
+
+
+def lift(stage: Stage, r: Tensor) -> Tensor:
+    """Q(R), the d x d orthogonal map R induces on the residual stream (float64)."""
+    r = r.double()
+    if not stage.subspace:
+        return r
+    u = stage.basis.double()
+    return torch.eye(u.shape[0], dtype=torch.float64) + u @ (r - torch.eye(r.shape[0], dtype=torch.float64)) @ u.T
+
+
+def enable_frames(stage: Stage, allow_tied_copies: bool = False) -> None:
+    """Give a non-tail stage its boundary map (identity: nothing changes yet) and fold every input-side norm gain
+    into the reads after it, so rotations commute with the norms. Idempotent.
+
+    ``allow_tied_copies``: the head's embedding and the tail's LM head of a tied model are separate copies here
+    (an offline measurement) and may each live in their own frame. In a swarm they are kept equal by averaging
+    their gradients, which frames would break: refused."""
+    tied_ends = stage.spec.n_stages > 1 and (stage.spec.is_head or stage.spec.is_tail)
+    if stage.shape.tie_embeddings and tied_ends and not allow_tied_copies:
+        raise ValueError("UPM frames cannot rotate a tied embedding held by two stages (head and tail would need "
+                         "the same matrix in two frames); untie it (model.tie_embeddings: false)")
+    if not stage.spec.is_tail and stage.boundary_map is None:
+        n = frame_width(stage)
+        stage.boundary_map = torch.eye(n, dtype=torch.float64, device=stage.rope_cos.device)
+    fold_gains(stage)
+
+
+@torch.no_grad()
+def fold_gains(stage: Stage) -> None:
+    """W <- W diag(g) for every read after a gain-carrying RMSNorm, then g <- 1: the same function, and a norm
+    that commutes with orthogonal frames (N(xQ) = N(x) Q only without a per-channel gain)."""
+    for block in stage.layers.values():
+        _fold(block.input_layernorm.weight, [block.get_submodule(n).weight for n in READS_AFTER_INPUT_NORM])
+        _fold(block.post_attention_layernorm.weight, [block.get_submodule(n).weight for n in READS_AFTER_POST_NORM])
+    if stage.spec.is_tail:
+        _fold(stage.norm.weight, [stage.lm_head.weight])
+
+
+def _fold(gain: Optional[Tensor], reads: list[Tensor]) -> None:
+    if gain is None:
+        return
+    g = gain.detach().double()
+    for w in reads:
+        w.copy_((w.double() * g).to(w.dtype))
+    gain.fill_(1.0)
+
+
+@torch.no_grad()
+def rotate_input(stage: Stage, r: Tensor) -> None:
+    """The residual stream entering (and living in) this stage is now x Q(R): move every weight that reads or
+    writes it, and the boundary map, so the stage computes the same function on the rotated stream.
+
+    Reads (Linear weight W, y = x W^T): W <- W Q. Writes into the subspace (k outputs): W <- R^T W. Dense writes
+    (the tail's blocks, dense runs): W <- Q^T W. Head embedding: Z <- Z R (subspace) or E <- E R (dense).
+    Boundary map: M <- R^T M. Gains must be folded first (``enable_frames``).
+    """
+    r = reorthogonalize(r)
+    q = lift(stage, r)
+    u = stage.basis.double() if stage.subspace else None
+    for block in stage.layers.values():
+        for name in (*READS_AFTER_INPUT_NORM, *READS_AFTER_POST_NORM):
+            w = block.get_submodule(name).weight
+            w.copy_(_read(w.double(), r, u, q).to(w.dtype))
+        for name in WRITES:
+            w = block.get_submodule(name).weight
+            rot = r if block.subspace else q  # a subspace write has k outputs, lifted by U^T after its norm
+            w.copy_((rot.T @ w.double()).to(w.dtype))
+    if stage.spec.is_head:
+        z = stage.embed_tokens.weight
+        z.copy_((z.double() @ r).to(z.dtype))  # Z (V x k) in subspace runs, E (V x d) in dense ones: R is that wide
+    if stage.spec.is_tail:
+        w = stage.lm_head.weight
+        w.copy_(_read(w.double(), r, u, q).to(w.dtype))
+    if stage.boundary_map is not None:
+        stage.boundary_map.copy_(r.T @ stage.boundary_map.double())
+
+
+def _read(w: Tensor, r: Tensor, u: Optional[Tensor], q: Tensor) -> Tensor:
+    """W Q, as a rank-k update W + (W U)(R - I) U^T in subspace runs (O(m d k) instead of O(m d^2))."""
+    if u is None:
+        return w @ q
+    return w + (w @ u) @ (r - torch.eye(r.shape[0], dtype=torch.float64)) @ u.T
+
+
+@torch.no_grad()
+def rotate_output(stage: Stage, r: Tensor) -> None:
+    """The next stage now works in a frame rotated by R: this stage's boundary map follows (M <- M R)."""
+    if stage.boundary_map is None:
+        raise ValueError(f"stage {stage.spec.index} has no boundary map (the tail, or enable_frames was not called)")
+    stage.boundary_map.copy_(stage.boundary_map.double() @ reorthogonalize(r))
+
+
+def rotate_boundary(stages: list[Stage], boundary: int, r: Tensor) -> None:
+    """Apply rotation R at ``boundary`` (between stages ``boundary`` and ``boundary + 1``) to both sides."""
+    rotate_output(stages[boundary], r)
+    rotate_input(stages[boundary + 1], r)

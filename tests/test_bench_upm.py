@@ -1,0 +1,23 @@
+"""``agora bench upm`` end to end on ``small`` (few transforms): the function survives, stitched shards do not."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_upm_measures_preservation_and_stitching(tmp_path):
+    out = tmp_path / "upm"
+    proc = subprocess.run([sys.executable, "-m", "agora.cli", "bench", "upm", "--out", str(out), "--transforms", "12",
+                           "--train-steps", "1"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    small = result["small"]
+    assert [r["transforms"] for r in small["fp64"]] == [0, 1, 10, 12]
+    assert max(r["max_abs_dlogit"] for r in small["fp64"]) < 1e-9
+    assert max(r["max_abs_dlogit"] for r in small["fp32"]) < 1e-3
+    assert max(r["js_mean"] for r in small["fp32"]) < 4e-5
+    stitched = small["stitching"]
+    assert {(s["gap"], s["stage"]) for s in stitched} == {(g, s) for g in (1, 100) for s in range(3)}
+    # A shard one rotation older does not fit: it moves the output by orders of magnitude more than rounding.
+    assert min(s["js_stitched"] for s in stitched) > 1e3 * max(r["js_mean"] for r in small["fp32"])
+    assert "Stitching" in (out / "result.md").read_text()

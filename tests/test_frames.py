@@ -1,0 +1,132 @@
+"""UPM frames (agora.frames): the algebra, and rotated stages computing the same function (METHODS s6, s7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agora.config import load_manifest
+from agora.frames import (enable_frames, exact_basis, fold_gains, haar_orthogonal, lift, reorthogonalize,
+                          rotate_boundary, rotate_input)
+from agora.model import build_stages, frozen_embedding, subspace_basis
+
+
+def _manifest(mode: str = "subspace", stages=(1, 1, 2)):
+    m = load_manifest("tiny").with_overrides(stages=list(stages))
+    if mode == "dense":
+        m = m.with_overrides(**{"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"})
+    return m
+
+
+def _perturbed(stages, seed=0):
+    """Trained-looking weights: random gains (so folding matters) and non-init values everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for st in stages:
+            for name, p in st.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+                else:
+                    p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return stages
+
+
+def _logits(stages, tokens):
+    x = tokens
+    for st in stages:
+        x = st(x)
+    return stages[-1].logits(x)
+
+
+def test_algebra_group_orthogonality_and_writes_stay_in_the_subspace():
+    m = _manifest()
+    stage = build_stages(m)[0].double()
+    exact_basis(stage)
+    u = stage.basis
+    g = torch.Generator().manual_seed(0)
+    k, d = u.shape[1], u.shape[0]
+    r1, r2 = haar_orthogonal(k, g), haar_orthogonal(k, g)
+    q1, q2, q12 = lift(stage, r1), lift(stage, r2), lift(stage, r1 @ r2)
+    assert (r1.T @ r1 - torch.eye(k, dtype=torch.float64)).abs().max() < 1e-12
+    assert (q1.T @ q1 - torch.eye(d, dtype=torch.float64)).abs().max() < 1e-12
+    assert (q1 @ q2 - q12).abs().max() < 1e-12  # Q(R1) Q(R2) = Q(R1 R2)
+    # Identity on the complement of span(U); R on span(U).
+    perp = torch.randn(5, d, generator=g, dtype=torch.float64)
+    perp -= perp @ u @ u.T
+    assert (perp @ q1 - perp).abs().max() < 1e-12
+    # Reconstruction: x = F[tok] + c U^T  ->  x Q = F[tok] + (c R) U^T, since F U = 0.
+    assert (frozen_embedding(m.model, subspace_basis(m.model, k, m.seed), m.seed).double()
+            @ subspace_basis(m.model, k, m.seed).double()).abs().max() < 1e-6  # F drawn orthogonal to U (fp32)
+    f = stage.frozen_embed
+    assert (f @ u).abs().max() < 1e-12
+    c = torch.randn(7, k, generator=g, dtype=torch.float64)
+    x = f[:7] + c @ u.T
+    assert (x @ q1 - (f[:7] + (c @ r1) @ u.T)).abs().max() < 1e-12
+    # A write A U^T stays in the subspace: (A U^T) Q = (A R) U^T.
+    a = torch.randn(4, k, generator=g, dtype=torch.float64)
+    assert ((a @ u.T) @ q1 - (a @ r1) @ u.T).abs().max() < 1e-12
+    # Haar draws are orthogonal, and a slightly non-orthogonal R is cleaned to the nearest orthogonal matrix.
+    noisy = r1 + 1e-4 * torch.randn(k, k, generator=g, dtype=torch.float64)
+    clean = reorthogonalize(noisy)
+    assert (clean.T @ clean - torch.eye(k, dtype=torch.float64)).abs().max() < 1e-12
+    assert (clean - r1).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["subspace", "dense"])
+def test_folding_gains_and_rotating_every_boundary_preserve_the_function_in_fp64(mode):
+    m = _manifest(mode)
+    stages = [st.double() for st in _perturbed(build_stages(m))]
+    for st in stages:
+        exact_basis(st)
+    tokens = torch.randint(0, m.model.vocab_size, (2, m.model.seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = _logits(stages, tokens)
+        for st in stages:
+            fold_gains(st)
+        folded = _logits(stages, tokens)
+        for st in stages:
+            enable_frames(st)
+        g = torch.Generator().manual_seed(2)
+        width = m.residual.k if mode == "subspace" else m.model.d_model
+        for _ in range(20):
+            for b in range(m.n_stages - 1):
+                rotate_boundary(stages, b, haar_orthogonal(width, g))
+            rotate_input(stages[0], haar_orthogonal(width, g))  # the head's own frame is free too
+        after = _logits(stages, tokens)
+    assert all(float(st.layers[next(iter(st.layers))].input_layernorm.weight.sub(1).abs().max()) == 0 for st in stages)
+    assert (folded - before).abs().max() < 1e-9
+    assert (after - before).abs().max() < 1e-9
+    # ... while the weights really moved: a stage is no longer what it was.
+    fresh = [st.double() for st in _perturbed(build_stages(m))]
+    w_now = stages[1].layers[str(m.stage_layers(1)[0])].self_attn.q_proj.weight
+    w_then = fresh[1].layers[str(m.stage_layers(1)[0])].self_attn.q_proj.weight
+    assert (w_now - w_then).abs().max() > 1e-2
+
+
+def test_shards_one_rotation_apart_do_not_fit_together():
+    """Stage 1 captured before a rotation of boundary 0, stage 0 after it: the stitched model computes something
+    else (its logits move as far as with stage 1 replaced by unrelated weights, within a factor of a few)."""
+    m = _manifest(stages=(2, 2))
+    stages = [st.double() for st in _perturbed(build_stages(m), seed=3)]
+    for st in stages:
+        exact_basis(st)
+        enable_frames(st)
+    tokens = torch.randint(0, m.model.vocab_size, (2, m.model.seq_len), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        honest = _logits(stages, tokens)
+        old_tail = {k: v.clone() for k, v in stages[1].state_dict().items()}
+        rotate_boundary(stages, 0, haar_orthogonal(m.residual.k, torch.Generator().manual_seed(5)))
+        assert (_logits(stages, tokens) - honest).abs().max() < 1e-9
+        stages[1].load_state_dict(old_tail)  # head after the rotation, tail from before it
+        stitched = (_logits(stages, tokens) - honest).abs().max()
+        other = _perturbed(build_stages(m), seed=6)[1].double()
+        exact_basis(other)
+        random_tail = [stages[0], other]
+        unrelated = (_logits(random_tail, tokens) - honest).abs().max()
+    assert stitched > 0.1 * unrelated and stitched > 1e-2
+
+
+def test_a_tied_embedding_across_stages_is_refused():
+    m = _manifest("dense", stages=(2, 2)).with_overrides(**{"model.tie_embeddings": True})
+    with pytest.raises(ValueError, match="tied embedding"):
+        enable_frames(build_stages(m)[0])
