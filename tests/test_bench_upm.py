@@ -8,7 +8,8 @@ import sys
 def test_bench_upm_measures_preservation_and_stitching(tmp_path):
     out = tmp_path / "upm"
     proc = subprocess.run([sys.executable, "-m", "agora.cli", "bench", "upm", "--out", str(out), "--transforms", "12",
-                           "--train-steps", "1"], capture_output=True, text=True, timeout=600)
+                           "--train-steps", "1", "--training-steps", "4", "--rotate-every", "2",
+                           "--training-seeds", "0"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((out / "result.json").read_text())
     small = result["small"]
@@ -21,3 +22,9 @@ def test_bench_upm_measures_preservation_and_stitching(tmp_path):
     # A shard one rotation older does not fit: it moves the output by orders of magnitude more than rounding.
     assert min(s["js_stitched"] for s in stitched) > 1e3 * max(r["js_mean"] for r in small["fp32"])
     assert "Stitching" in (out / "result.md").read_text()
+    training = {r["mode"]: r for r in result["training"]["rows"]}
+    assert set(training) == {"none", "mixed", "isotropic", "keep", "signed_perm"}
+    assert training["none"]["rotations"] == 0 and training["mixed"]["rotations"] == 2
+    assert len({r["tokens"] for r in training.values()}) == 1  # equal tokens
+    assert training["none"]["loss_ratio"] == 1.0
+    assert all(0.5 < r["loss_ratio"] < 1.5 for r in training.values())

@@ -294,14 +294,26 @@ def bench_upm(
     real_transforms: int = typer.Option(20, min=1, help="rotations on the real model (d x d each)"),
     real_stages: int = typer.Option(3, min=2),
     seed: int = typer.Option(0, min=0),
+    sections: str = typer.Option("preservation,stitching,training", help="comma-separated subset"),
+    training_steps: int = typer.Option(40, min=1, help="optimizer steps of small per training row"),
+    rotate_every: int = typer.Option(2, min=1, help="steps between rotations of every boundary while training"),
+    training_seeds: str = typer.Option("0,1,2", help="comma-separated seeds of the training rows"),
 ) -> None:
-    """UPM frames: function preservation under compounded boundary rotations (fp32, fp64) and stitching of shards
-    captured at different times, against unrelated random weights."""
+    """UPM frames: function preservation under compounded boundary rotations (fp32, fp64), stitching of shards
+    captured at different times against unrelated random weights, and training through rotations with each
+    treatment of Adam's second moment, at equal tokens."""
     from agora.bench.upm import UpmBenchOptions, markdown, run_upm_bench
 
     checkpoints = sorted({c for c in (1, 10, 100, 1000, 10_000) if c < transforms} | {transforms})
-    opts = UpmBenchOptions(out=out, transforms=transforms, train_steps=train_steps, model=model,
-                           real_transforms=real_transforms, real_stages=real_stages, seed=seed, checkpoints=checkpoints)
+    try:
+        opts = UpmBenchOptions(
+            out=out, transforms=transforms, train_steps=train_steps, model=model, real_transforms=real_transforms,
+            real_stages=real_stages, seed=seed, checkpoints=checkpoints,
+            sections=tuple(x.strip() for x in sections.split(",") if x.strip()), training_steps=training_steps,
+            rotate_every=rotate_every, training_seeds=tuple(int(x) for x in training_seeds.split(",") if x.strip()))
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2)
     result = _model_errors(lambda: run_upm_bench(opts))
     console.print(markdown(result))
     console.print(f"wrote {out}/result.json and {out}/result.md")

@@ -12,16 +12,26 @@ compound in low precision. docs/UPM.md has the algebra and what it does not hide
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from agora.model import Stage
 
 READS_AFTER_INPUT_NORM = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 READS_AFTER_POST_NORM = ("mlp.gate_proj", "mlp.up_proj")
 WRITES = ("self_attn.o_proj", "mlp.down_proj")
+
+# How Adam's second moment follows a transform W' = L W R (METHODS s6: Adam is not rotation-equivariant). The first
+# moment is linear in the gradients and is always transformed exactly (m' = L m R).
+V_MODES = ("mixed", "isotropic", "keep")
+# - mixed: v' = (L*L) v (R*R), the elementwise second moment of the rotated gradient if its coordinates were
+#   uncorrelated; exact for signed permutations, and it conserves v's total.
+# - isotropic: v' = mean(v) everywhere (the tensor's scale is kept, the per-coordinate information dropped).
+# - keep: v unchanged (the cheapest; wrong in proportion to how far the rotation moves the coordinates).
+
+Moments = Callable[[nn.Parameter], Optional[dict]]  # a parameter's optimizer state (exp_avg, exp_avg_sq), or None
 
 
 def haar_orthogonal(n: int, generator: torch.Generator) -> Tensor:
@@ -69,7 +79,7 @@ def lift(stage: Stage, r: Tensor) -> Tensor:
     return torch.eye(u.shape[0], dtype=torch.float64) + u @ (r - torch.eye(r.shape[0], dtype=torch.float64)) @ u.T
 
 
-def enable_frames(stage: Stage, allow_tied_copies: bool = False) -> None:
+def enable_frames(stage: Stage, allow_tied_copies: bool = False, moments: Optional[Moments] = None) -> None:
     """Give a non-tail stage its boundary map (identity: nothing changes yet) and fold every input-side norm gain
     into the reads after it, so rotations commute with the norms. Idempotent.
 
@@ -83,55 +93,101 @@ def enable_frames(stage: Stage, allow_tied_copies: bool = False) -> None:
     if not stage.spec.is_tail and stage.boundary_map is None:
         n = frame_width(stage)
         stage.boundary_map = torch.eye(n, dtype=torch.float64, device=stage.rope_cos.device)
-    fold_gains(stage)
+    fold_gains(stage, moments)
 
 
 @torch.no_grad()
-def fold_gains(stage: Stage) -> None:
+def fold_gains(stage: Stage, moments: Optional[Moments] = None) -> None:
     """W <- W diag(g) for every read after a gain-carrying RMSNorm, then g <- 1: the same function, and a norm
-    that commutes with orthogonal frames (N(xQ) = N(x) Q only without a per-channel gain)."""
+    that commutes with orthogonal frames (N(xQ) = N(x) Q only without a per-channel gain).
+
+    With ``moments``, the optimizer state follows the reparametrisation exactly: the folded read's gradient is the
+    old one times diag(1/g) (m <- m / g, v <- v / g^2 per input column), the new gain's is the old one times g."""
     for block in stage.layers.values():
-        _fold(block.input_layernorm.weight, [block.get_submodule(n).weight for n in READS_AFTER_INPUT_NORM])
-        _fold(block.post_attention_layernorm.weight, [block.get_submodule(n).weight for n in READS_AFTER_POST_NORM])
+        _fold(block.input_layernorm.weight, [block.get_submodule(n).weight for n in READS_AFTER_INPUT_NORM], moments)
+        _fold(block.post_attention_layernorm.weight, [block.get_submodule(n).weight for n in READS_AFTER_POST_NORM],
+              moments)
     if stage.spec.is_tail:
-        _fold(stage.norm.weight, [stage.lm_head.weight])
+        _fold(stage.norm.weight, [stage.lm_head.weight], moments)
 
 
-def _fold(gain: Optional[Tensor], reads: list[Tensor]) -> None:
+def _fold(gain: Optional[nn.Parameter], reads: list[nn.Parameter], moments: Optional[Moments]) -> None:
     if gain is None:
         return
     g = gain.detach().double()
+    if bool((g == 1).all()):
+        return  # already folded: nothing moves
+    if moments is not None and bool((g.abs() < 1e-6).any()):
+        raise ValueError("a norm gain is ~0: its read cannot carry it exactly with optimizer state (1/g)")
     for w in reads:
         w.copy_((w.double() * g).to(w.dtype))
+        st = moments(w) if moments is not None else None
+        if st:
+            _set(st, "exp_avg", st["exp_avg"].double() / g)
+            _set(st, "exp_avg_sq", st["exp_avg_sq"].double() / g.square())
+    st = moments(gain) if moments is not None else None
+    if st:
+        _set(st, "exp_avg", st["exp_avg"].double() * g)
+        _set(st, "exp_avg_sq", st["exp_avg_sq"].double() * g.square())
     gain.fill_(1.0)
 
 
+def _set(state: dict, key: str, value: Tensor) -> None:
+    state[key].copy_(value.to(state[key].dtype))
+
+
+def _transform(w: nn.Parameter, left: Optional[Tensor], right: Optional[Tensor], moments: Optional[Moments],
+               v_mode: str, weight: Optional[Tensor] = None) -> None:
+    """W <- L W R (float64, written back in W's dtype), and its optimizer moments. ``weight``: the new W already
+    computed (a cheaper form of the same product)."""
+    def apply(x: Tensor, l_: Optional[Tensor], r_: Optional[Tensor]) -> Tensor:
+        x = x.double()
+        if l_ is not None:
+            x = l_ @ x
+        return x @ r_ if r_ is not None else x
+
+    w.copy_((weight if weight is not None else apply(w, left, right)).to(w.dtype))
+    st = moments(w) if moments is not None else None
+    if not st:
+        return
+    _set(st, "exp_avg", apply(st["exp_avg"], left, right))
+    v = st["exp_avg_sq"]
+    if v_mode == "mixed":
+        _set(st, "exp_avg_sq", apply(v, None if left is None else left.square(),
+                                     None if right is None else right.square()).clamp_min(0))
+    elif v_mode == "isotropic":
+        v.fill_(float(v.double().mean()))
+    elif v_mode != "keep":
+        raise ValueError(f"v_mode must be one of {V_MODES}, got {v_mode!r}")
+
+
 @torch.no_grad()
-def rotate_input(stage: Stage, r: Tensor) -> None:
+def rotate_input(stage: Stage, r: Tensor, moments: Optional[Moments] = None, v_mode: str = "mixed") -> None:
     """The residual stream entering (and living in) this stage is now x Q(R): move every weight that reads or
     writes it, and the boundary map, so the stage computes the same function on the rotated stream.
 
     Reads (Linear weight W, y = x W^T): W <- W Q. Writes into the subspace (k outputs): W <- R^T W. Dense writes
     (the tail's blocks, dense runs): W <- Q^T W. Head embedding: Z <- Z R (subspace) or E <- E R (dense).
-    Boundary map: M <- R^T M. Gains must be folded first (``enable_frames``).
+    Boundary map: M <- R^T M. Gains are folded first (``fold_gains``). With ``moments`` the optimizer state
+    follows: m exactly, v by ``v_mode`` (``V_MODES``).
     """
+    fold_gains(stage, moments)
     r = reorthogonalize(r)
     q = lift(stage, r)
     u = stage.basis.double() if stage.subspace else None
-    for block in stage.layers.values():
-        for name in (*READS_AFTER_INPUT_NORM, *READS_AFTER_POST_NORM):
-            w = block.get_submodule(name).weight
-            w.copy_(_read(w.double(), r, u, q).to(w.dtype))
-        for name in WRITES:
-            w = block.get_submodule(name).weight
-            rot = r if block.subspace else q  # a subspace write has k outputs, lifted by U^T after its norm
-            w.copy_((rot.T @ w.double()).to(w.dtype))
-    if stage.spec.is_head:
-        z = stage.embed_tokens.weight
-        z.copy_((z.double() @ r).to(z.dtype))  # Z (V x k) in subspace runs, E (V x d) in dense ones: R is that wide
+    reads = [block.get_submodule(n).weight for block in stage.layers.values()
+             for n in (*READS_AFTER_INPUT_NORM, *READS_AFTER_POST_NORM)]
     if stage.spec.is_tail:
-        w = stage.lm_head.weight
-        w.copy_(_read(w.double(), r, u, q).to(w.dtype))
+        reads.append(stage.lm_head.weight)
+    for w in reads:
+        _transform(w, None, q, moments, v_mode, weight=_read(w.double(), r, u, q))
+    for block in stage.layers.values():
+        rot = r if block.subspace else q  # a subspace write has k outputs, lifted by U^T after its norm
+        for name in WRITES:
+            _transform(block.get_submodule(name).weight, rot.T, None, moments, v_mode)
+    if stage.spec.is_head:
+        # Z (V x k) in subspace runs, E (V x d) in dense ones: R is that wide.
+        _transform(stage.embed_tokens.weight, None, r, moments, v_mode)
     if stage.boundary_map is not None:
         stage.boundary_map.copy_(r.T @ stage.boundary_map.double())
 
@@ -151,7 +207,15 @@ def rotate_output(stage: Stage, r: Tensor) -> None:
     stage.boundary_map.copy_(stage.boundary_map.double() @ reorthogonalize(r))
 
 
-def rotate_boundary(stages: list[Stage], boundary: int, r: Tensor) -> None:
+def rotate_boundary(stages: list[Stage], boundary: int, r: Tensor, moments: Optional[Moments] = None,
+                    v_mode: str = "mixed") -> None:
     """Apply rotation R at ``boundary`` (between stages ``boundary`` and ``boundary + 1``) to both sides."""
     rotate_output(stages[boundary], r)
-    rotate_input(stages[boundary + 1], r)
+    rotate_input(stages[boundary + 1], r, moments, v_mode)
+
+
+def signed_permutation(n: int, generator: torch.Generator) -> Tensor:
+    """A random signed permutation (float64): the rotations under which Adam's second moment moves exactly."""
+    perm = torch.randperm(n, generator=generator)
+    signs = torch.randint(0, 2, (n,), generator=generator).double() * 2 - 1
+    return torch.eye(n, dtype=torch.float64)[perm] * signs

@@ -3,10 +3,10 @@
 (a) Function preservation: T rotations at random boundaries, compounded in place, on ``small`` (subspace, briefly
 trained here) in fp32 and fp64, and on a real pretrained model (dense, ``--model``) in fp32: max |delta logit|,
 Jensen-Shannon drift (nats, mean and max over positions) and the validation perplexity change, against the model
-before any transform. (b) Stitching: a model assembled from a stage captured before 1 (or 100) more rotations of
-every boundary and the other stages after them, against the same model with that stage replaced by unrelated
-random weights (the JS ratio). Recovery cost and the swarm's training overhead (issue #17 items 5c, 5d) are not
-measured here yet.
+before any transform. (b) Stitching: a model assembled from a stage captured before 1 or 100 (real model: 1 or
+3) more rotations of every boundary and the other stages after them, against the same model with that stage
+replaced by unrelated random weights (the JS ratio). Recovery cost and the swarm's training overhead (issue #17
+items 5c, 5d) are not measured here yet.
 """
 
 from __future__ import annotations
@@ -40,6 +40,16 @@ class UpmBenchOptions:
     eval_rows: int = 8  # validation windows the logits are compared on
     seed: int = 0
     checkpoints: list[int] = field(default_factory=lambda: [1, 10, 100, 1000, 10_000])
+    sections: tuple[str, ...] = ("preservation", "stitching", "training")
+    training_steps: int = 40  # per training row (small): rotations during training, against none
+    rotate_every: int = 2  # optimizer steps between rotations of every boundary in the training rows
+    training_modes: tuple[str, ...] = ("none", "mixed", "isotropic", "keep", "signed_perm")
+    training_seeds: tuple[int, ...] = (0, 1, 2)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.sections) - {"preservation", "stitching", "training"}
+        if unknown:
+            raise ValueError(f"unknown sections {sorted(unknown)}: choose from preservation, stitching, training")
 
 
 # --------------------------------------------------------------------------- measurements
@@ -100,9 +110,10 @@ def preservation(stages: list[Stage], dtype: torch.dtype, rows: torch.Tensor, tr
     return out
 
 
-def stitching(stages: list[Stage], random_stages: list[Stage], rows: torch.Tensor, seed: int) -> list[dict]:
-    """For each stage s and gap (1 or 100 rotations of every boundary): JS of the model with stage s taken before
-    the gap, against the same with stage s replaced by unrelated random weights (both vs the honest model)."""
+def stitching(stages: list[Stage], random_stages: list[Stage], rows: torch.Tensor, seed: int,
+              gaps: tuple[int, ...] = (1, 100)) -> list[dict]:
+    """For each stage s and gap (rotations of every boundary): JS of the model with stage s taken before the gap,
+    against the same with stage s replaced by unrelated random weights (both vs the honest model)."""
     stages = [copy.deepcopy(st) for st in stages]
     for st in stages:
         enable_frames(st, allow_tied_copies=True)
@@ -115,7 +126,7 @@ def stitching(stages: list[Stage], random_stages: list[Stage], rows: torch.Tenso
     for b in range(n - 1):  # start from non-trivial frames
         rotate_boundary(stages, b, haar_orthogonal(width, gen))
     out = []
-    for gap in (1, 100):
+    for gap in gaps:
         before = [copy.deepcopy(st) for st in stages]
         for _ in range(gap):
             for b in range(n - 1):
@@ -129,6 +140,47 @@ def stitching(stages: list[Stage], random_stages: list[Stage], rows: torch.Tenso
             out.append({"gap": gap, "stage": s, "js_stitched": js_stitched, "js_unrelated": js_random,
                         "ratio": js_stitched / js_random if js_random > 0 else float("nan"),
                         "honest_after_gap_js": float(_js(_logits(before, tokens), honest).mean())})
+    return out
+
+
+def training_rows(m: Manifest, steps: int, every: int, modes: tuple[str, ...], seeds: tuple[int, ...],
+                  val_batches: int = 8) -> list[dict]:
+    """Train ``m`` centralized for ``steps`` optimizer steps per seed, rotating every boundary every ``every``
+    steps (optimizer moments transformed, ``v`` per mode), and the same without rotations: validation loss at equal
+    tokens. Modes: ``none``; ``mixed``, ``isotropic``, ``keep`` (Haar rotations, ``frames.V_MODES``);
+    ``signed_perm`` (signed permutations, ``mixed``: exact for subspace writes and the embedding)."""
+    from agora.frames import signed_permutation
+    from agora.lab.train_local import train_model
+
+    out = []
+    for seed in seeds:
+        ms = m.with_overrides(seed=seed)
+        for mode in modes:
+            gen = torch.Generator().manual_seed(seed + 7)
+            rotations = [0]
+
+            def after_step(model, opt, step, mode=mode, gen=gen, rotations=rotations):
+                if mode == "none" or (step + 1) % every:
+                    return
+                stages = list(model.stages)
+                moments = lambda p: opt.state.get(p) or None  # noqa: E731
+                if rotations[0] == 0:
+                    for st in stages:
+                        enable_frames(st, moments=moments)  # boundary maps; gains folded with their moments
+                width = frame_width(stages[0])
+                for b in range(len(stages) - 1):
+                    r = signed_permutation(width, gen) if mode == "signed_perm" else haar_orthogonal(width, gen)
+                    rotate_boundary(stages, b, r, moments, "mixed" if mode == "signed_perm" else mode)
+                rotations[0] += 1
+
+            t0 = time.perf_counter()
+            summary, _ = train_model(ms, steps, val_batches=val_batches, after_step=after_step)
+            out.append({"seed": seed, "mode": mode, "val_loss": summary["val_loss"], "tokens": summary["tokens"],
+                        "rotations": rotations[0], "wall_s": time.perf_counter() - t0})
+            logger.info(f"training with rotations: {out[-1]}")
+    base = {r["seed"]: r["val_loss"] for r in out if r["mode"] == "none"}
+    for r in out:
+        r["loss_ratio"] = r["val_loss"] / base[r["seed"]] if r["seed"] in base else float("nan")
     return out
 
 
@@ -183,19 +235,30 @@ def _real(opts: UpmBenchOptions) -> tuple[Manifest, list[Stage], list[Stage], to
 
 def run_upm_bench(opts: UpmBenchOptions) -> dict:
     torch.manual_seed(opts.seed)
-    m, small, rows = _small(opts)
-    result: dict = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.__dict__.items()},
-                    "small": {"manifest_hash": m.hash, "k": m.residual.k, "d_model": m.model.d_model}}
-    for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64)):
-        result["small"][name] = preservation(small, dtype, rows, opts.transforms, opts.checkpoints, opts.seed)
-    randoms = [st.eval() for st in build_stages(m.with_overrides(seed=opts.seed + 1))]
-    result["small"]["stitching"] = stitching(small, randoms, rows, opts.seed)
-    if opts.model is not None:
-        rm, real, real_randoms, real_rows = _real(opts)
-        result["real"] = {"model": str(opts.model), "d_model": rm.model.d_model, "stages": rm.stages,
-                          "fp32": preservation(real, torch.float32, real_rows, opts.real_transforms,
-                                               sorted({1, 10, opts.real_transforms}), opts.seed),
-                          "stitching": stitching(real, real_randoms, real_rows, opts.seed)}
+    sections = set(opts.sections)
+    result: dict = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.__dict__.items()}}
+    if sections & {"preservation", "stitching"}:
+        m, small, rows = _small(opts)
+        result["small"] = {"manifest_hash": m.hash, "k": m.residual.k, "d_model": m.model.d_model,
+                           "train_steps": opts.train_steps}
+        if "preservation" in sections:
+            for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64)):
+                result["small"][name] = preservation(small, dtype, rows, opts.transforms, opts.checkpoints, opts.seed)
+        if "stitching" in sections:
+            randoms = [st.eval() for st in build_stages(m.with_overrides(seed=opts.seed + 1))]
+            result["small"]["stitching"] = stitching(small, randoms, rows, opts.seed)
+        if opts.model is not None:
+            rm, real, real_randoms, real_rows = _real(opts)
+            result["real"] = {"model": str(opts.model), "d_model": rm.model.d_model, "stages": rm.stages}
+            if "preservation" in sections:
+                result["real"]["fp32"] = preservation(real, torch.float32, real_rows, opts.real_transforms,
+                                                      sorted({1, 10, opts.real_transforms}), opts.seed)
+            if "stitching" in sections:
+                result["real"]["stitching"] = stitching(real, real_randoms, real_rows, opts.seed, gaps=(1, 3))
+    if "training" in sections:
+        result["training"] = {"preset": "small", "steps": opts.training_steps, "rotate_every": opts.rotate_every,
+                              "rows": training_rows(load_manifest("small"), opts.training_steps, opts.rotate_every,
+                                                    opts.training_modes, opts.training_seeds)}
     write_result(opts.out, "upm", result, markdown(result))
     return result
 
@@ -203,22 +266,38 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
 def markdown(result: dict) -> str:
     parts = []
     for model in ("small", "real"):
-        if model not in result:
+        r = result.get(model)
+        if r is None:
             continue
-        r = result[model]
         what = (f"`small` (subspace, k={r['k']}, d={r['d_model']})" if model == "small"
                 else f"{r['model']} (dense, d={r['d_model']}, stages {r['stages']})")
-        rows = []
-        for precision in ("fp32", "fp64"):
-            for row in r.get(precision, []):
-                rows.append([precision, row["transforms"], row["max_abs_dlogit"], row["js_mean"], row["js_max"],
-                             row["dppl"], row["ppl"], row["seconds_per_transform"]])
-        parts.append(f"### Function preservation: {what}\n\n" + markdown_table(
-            ["precision", "transforms", "max abs dlogit", "JS mean (nats)", "JS max", "abs dPPL", "PPL",
-             "s / transform"], rows))
-        srows = [[s["gap"], s["stage"], s["js_stitched"], s["js_unrelated"], s["ratio"]] for s in r["stitching"]]
-        parts.append(f"### Stitching: {what}\n\nStage taken before `gap` rotations of every boundary, the others "
-                     f"after; JS (nats, mean over positions) against the honest model, and the same with that stage "
-                     f"replaced by unrelated random weights.\n\n" + markdown_table(
-                         ["gap", "stitched stage", "JS stitched", "JS unrelated", "ratio"], srows))
+        rows = [[precision, row["transforms"], row["max_abs_dlogit"], row["js_mean"], row["js_max"], row["dppl"],
+                 row["ppl"], row["seconds_per_transform"]]
+                for precision in ("fp32", "fp64") for row in r.get(precision, [])]
+        if rows:
+            parts.append(f"### Function preservation: {what}\n\n" + markdown_table(
+                ["precision", "transforms", "max abs dlogit", "JS mean (nats)", "JS max", "abs dPPL", "PPL",
+                 "s / transform"], rows))
+        srows = [[s["gap"], s["stage"], s["js_stitched"], s["js_unrelated"], s["ratio"]] for s in r.get("stitching", [])]
+        if srows:
+            parts.append(f"### Stitching: {what}\n\nStage taken before `gap` rotations of every boundary, the others "
+                         f"after; JS (nats, mean over positions) against the honest model, and the same with that "
+                         f"stage replaced by unrelated random weights.\n\n" + markdown_table(
+                             ["gap", "stitched stage", "JS stitched", "JS unrelated", "ratio"], srows))
+    if "training" in result:
+        t = result["training"]
+        by_mode: dict[str, list[dict]] = {}
+        for row in t["rows"]:
+            by_mode.setdefault(row["mode"], []).append(row)
+        trows = []
+        for mode, mode_rows in by_mode.items():
+            ratios = sorted(r["loss_ratio"] for r in mode_rows)
+            losses = sorted(r["val_loss"] for r in mode_rows)
+            trows.append([mode, len(mode_rows), mode_rows[0]["rotations"], ratios[len(ratios) // 2],
+                          f"{ratios[0]:.4f}-{ratios[-1]:.4f}", losses[len(losses) // 2]])
+        parts.append(f"### Training through rotations: `{t['preset']}`, {t['steps']} steps, every boundary rotated "
+                     f"every {t['rotate_every']} steps\n\nValidation loss at equal tokens against the same run "
+                     f"without rotations (same seed, same data order); median and range over seeds.\n\n"
+                     + markdown_table(["v treatment", "seeds", "rotations", "loss ratio (median)", "range",
+                                       "val loss (median)"], trows))
     return "\n\n".join(parts)

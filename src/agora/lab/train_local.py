@@ -61,8 +61,10 @@ def train_model(
     threads: Optional[int] = None,
     on_step: Optional[Callable[[dict], None]] = None,
     shard: Optional[tuple[int, int]] = None,
+    after_step: Optional[Callable[[PipelineModel, torch.optim.Optimizer, int], None]] = None,
 ) -> tuple[dict, PipelineModel]:
-    """``train_local``, also returning the trained model (benchmarks that need trained weights)."""
+    """``train_local``, also returning the trained model (benchmarks that need trained weights). ``after_step(model,
+    optimizer, step)`` runs after every optimizer step (``agora bench upm`` rotates frames there)."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
@@ -84,6 +86,8 @@ def train_model(
     for step in range(steps):
         lr = set_lr(opt, manifest.optimizer, step)
         total = _train_step(model, opt, batches, accum, manifest.optimizer.grad_clip)
+        if after_step is not None:
+            after_step(model, opt, step)
         tokens += tokens_per_step
         rec = {"step": step, "loss": total, "lr": lr, "tokens": tokens, "wall_s": time.perf_counter() - t0}
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
