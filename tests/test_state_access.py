@@ -20,7 +20,7 @@ from agora.net.records import PeerState, StageRecord, announce, read_subkeys, st
 from agora.net.state_transfer import StateSnapshots, fetch_state
 from agora.net.transport import RpcError
 from agora.server.node import NodeOptions, StageNode
-from agora.server.state_access import ledger_key, read_ledger
+from agora.server.state_access import StateAccess, ledger_key, read_ledger
 from agora.trust.identity import ensure_identity, peer_id_of
 
 PERIOD_S = 6.0
@@ -174,9 +174,17 @@ def test_a_peer_that_served_one_stage_gets_no_other_within_the_period(tmp_path):
             await x.stop()  # leaves stage 0 (its record says "leaving"); its DHT and identity stay
             await _claim(x.dht, m, 1, PeerState.SYNCING.value)
             p2p = await x.dht.replicate_p2p()
-            return str(await _refused(p2p, tail, m))
+            refused = str(await _refused(p2p, tail, m))
+            # The same identity restarted at stage 1 knows from the ledger how long to wait instead of being refused.
+            async def run_io(fn, *args):  # x's own executor is shut down with it
+                return await loop.run_in_executor(None, fn, *args)
 
-    assert "held stage 0" in asyncio.run(main())
+            again = StateAccess(m, x.peer_id, x.dht, run_io)
+            return refused, await again.own_wait(1), await again.own_wait(0)
+
+    refused, wait_other, wait_same = asyncio.run(main())
+    assert "held stage 0" in refused
+    assert 0 < wait_other <= PERIOD_S + 3 and wait_same == 0
 
 
 def test_export_from_a_live_swarm_needs_a_reader_identity(tmp_path):

@@ -260,15 +260,19 @@ class StageNode:
         self.syncs.append(self.sync)
         self.observers.emit("sync", self.sync)
         await self.announce()
-        if self.left_stage_at is not None:
-            # The stage left was witnessed in the state ledger: this stage's replicas serve us its state only once
-            # a period has passed (server/state_access.py). Meanwhile we hold nothing anybody routes work to.
-            wait = self.state_access.wait_after_leaving(self.left_stage_at)
-            if wait > 0:
-                logger.info(f"stage {self.stage_index}: waiting {wait:.0f}s before downloading its state: one "
-                            f"identity holds one stage per {self.state_access.period_s:.0f}s "
-                            f"(security.state_access.period_s)")
-                await asyncio.sleep(wait)
+        # A stage this identity held within the period (a move, or a restart at another stage) is witnessed in the
+        # state ledger: this stage's replicas serve us its state only once the period has passed
+        # (server/state_access.py). Meanwhile we hold nothing anybody routes work to.
+        wait = self.state_access.wait_after_leaving(self.left_stage_at) if self.left_stage_at is not None else 0.0
+        try:
+            wait = max(wait, await self.state_access.own_wait(self.stage_index))
+        except Exception as err:  # the DHT is slow: a refused download says how long to wait
+            logger.warning(f"could not read the state ledger: {err!r}")
+        if wait > 0:
+            logger.info(f"stage {self.stage_index}: waiting {wait:.0f}s before downloading its state: one "
+                        f"identity holds one stage per {self.state_access.period_s:.0f}s "
+                        f"(security.state_access.period_s)")
+            await asyncio.sleep(wait)
         synced = await self.sync.initial_sync(timeout=self.opts.sync_timeout_s)
         if not synced and require_state:
             return False

@@ -143,6 +143,13 @@ class StateAccess:
         recent = [(s, at) for s, at in entries if s != stage and now - at < self.period_s]
         return max(recent, key=lambda e: e[1]) if recent else None
 
+    async def own_wait(self, stage: int) -> float:
+        """Seconds until this node's own identity may get ``stage``'s state: a restarted peer that served another
+        stage within the period (the ledger remembers it) waits instead of being refused."""
+        ledger = await self.run_io(read_ledger, self.dht, self.manifest)
+        held = self._held_elsewhere(ledger, self.peer_id, stage)
+        return self.wait_after_leaving(held[1]) if held is not None else 0.0
+
     def wait_after_leaving(self, left_at: float) -> float:
         """Seconds a peer that stopped holding a stage at unix time ``left_at`` waits before another stage's
         servers grant it state: a period after the last witness saw it, plus a witness's write interval."""
