@@ -34,22 +34,10 @@ def evaluate(model: PipelineModel, batches: list[torch.Tensor]) -> float:
     return float(sum(losses) / len(losses))
 
 
-def train_local(
-    manifest: Manifest,
-    steps: int,
-    out_dir: Optional[Path] = None,
-    val_batches: int = 8,
-    eval_every: int = 0,
-    threads: Optional[int] = None,
-    on_step: Optional[Callable[[dict], None]] = None,
-    shard: Optional[tuple[int, int]] = None,
-) -> dict:
+def train_local(manifest: Manifest, steps: int, out_dir: Optional[Path] = None, **options) -> dict:
     """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences; return (and write) the summary.
-
-    ``shard``: train on shard (index, count) of the training split in the order a swarm trainer of that shard
-    streams it (``agora train --shard``), so a one-trainer swarm and this run see the very same microbatches
-    (None: the whole split)."""
-    return train_model(manifest, steps, out_dir, val_batches, eval_every, threads, on_step, shard)[0]
+    ``options``: those of :func:`train_model`."""
+    return train_model(manifest, steps, out_dir, **options)[0]
 
 
 def train_model(
@@ -63,8 +51,13 @@ def train_model(
     shard: Optional[tuple[int, int]] = None,
     after_step: Optional[Callable[[PipelineModel, torch.optim.Optimizer, int], None]] = None,
 ) -> tuple[dict, PipelineModel]:
-    """``train_local``, also returning the trained model (benchmarks that need trained weights). ``after_step(model,
-    optimizer, step)`` runs after every optimizer step (``agora bench upm`` rotates frames there)."""
+    """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences: (summary, trained model); the
+    summary is also written to ``out_dir``.
+
+    ``shard``: train on shard (index, count) of the training split in the order a swarm trainer of that shard
+    streams it (``agora train --shard``), so a one-trainer swarm and this run see the very same microbatches
+    (None: the whole split). ``after_step(model, optimizer, step)`` runs after every optimizer step (``agora bench
+    upm`` rotates frames there)."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
