@@ -175,3 +175,40 @@ def test_adam_moments_follow_a_signed_permutation_exactly():
     # With v left behind ("keep") under a Haar rotation, the same comparison is off: the check can fail.
     off = step_then_rotate_vs_rotate_then_step(haar_orthogonal(d, torch.Generator().manual_seed(9)), "keep")
     assert off > 1e-6
+
+
+@pytest.mark.parametrize("mode", ["subspace", "dense"])
+def test_frames_travel_with_state_and_bake_into_an_ordinary_model(mode, tmp_path):
+    """A rotated stage's boundary map is part of its exported state and checkpoint (a joiner gets the frame with
+    the weights), a malformed map is refused, and an export bakes the maps away without changing the function."""
+    from agora.ops.model_io import export_model, load_model, merge_stages, run_tokenizer, stage_from_state
+    from agora.server.observers import Observers
+    from agora.server.runtime import Counters, StageRuntime
+
+    m = _manifest(mode, stages=(2, 2))
+    runtimes = [StageRuntime(m, i, Counters(), Observers()) for i in range(2)]
+    stages = [rt.stage for rt in runtimes]
+    _perturbed(stages, seed=11)
+    for st in stages:
+        enable_frames(st)
+    width = m.residual.k if mode == "subspace" else m.model.d_model
+    rotate_boundary(stages, 0, haar_orthogonal(width, torch.Generator().manual_seed(12)))
+    tokens = torch.randint(0, m.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(13))
+    honest = _logits(stages, tokens)
+
+    step, names, tensors = runtimes[0].export_state()
+    assert "frame/boundary_map" in names
+    joiner = StageRuntime(m, 0, Counters(), Observers())
+    joiner.import_state(step, names, tensors)
+    assert (joiner.stage.boundary_map - stages[0].boundary_map).abs().max() < 1e-12
+    assert (_logits([joiner.stage, stages[1]], tokens) - honest).abs().max() < 1e-5
+    bad = [t.clone() * 2 if n == "frame/boundary_map" else t for n, t in zip(names, tensors)]
+    with pytest.raises(ValueError, match="not orthogonal"):
+        joiner.import_state(step, names, bad)
+
+    rebuilt = [stage_from_state(m, i, *rt.export_state()[1:]) for i, rt in enumerate(runtimes)]
+    assert (_logits(rebuilt, tokens) - honest).abs().max() < 1e-5
+    export_model(merge_stages(m, rebuilt), tmp_path / "model", run_tokenizer(m))
+    loaded = load_model(tmp_path / "model")
+    assert all(st.boundary_map is None for st in loaded.model.stages)
+    assert (_logits(list(loaded.model.stages), tokens) - honest).abs().max() < 1e-4

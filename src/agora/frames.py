@@ -31,6 +31,8 @@ V_MODES = ("mixed", "isotropic", "keep")
 # - isotropic: v' = mean(v) everywhere (the tensor's scale is kept, the per-coordinate information dropped).
 # - keep: v unchanged (the cheapest; wrong in proportion to how far the rotation moves the coordinates).
 
+FRAME_MAP = "frame/boundary_map"  # the name of a stage's boundary map in exported state and checkpoints
+
 Moments = Callable[[nn.Parameter], Optional[dict]]  # a parameter's optimizer state (exp_avg, exp_avg_sq), or None
 
 
@@ -63,6 +65,25 @@ def exact_basis(stage: Stage) -> None:
     if stage.frozen_embed is not None:
         f = stage.frozen_embed
         f.copy_(f - (f @ q) @ q.T)
+
+
+def check_frame_map(stage: Stage, m: Optional[Tensor]) -> Optional[Tensor]:
+    """A boundary map received in a state (a download, a checkpoint) for ``stage``, checked: None stays None;
+    otherwise a finite orthogonal n x n matrix (n = ``frame_width``) for a non-tail stage, returned in float64
+    and re-orthogonalised. Raises ValueError, so a malformed state never replaces a good one."""
+    if m is None:
+        return None
+    n = frame_width(stage)
+    if stage.spec.is_tail:
+        raise ValueError("the state carries a boundary map, but the tail stage has no next stage to map into")
+    if m.dim() != 2 or tuple(m.shape) != (n, n) or not m.is_floating_point():
+        raise ValueError(f"boundary map must be a {n} x {n} float matrix, got {tuple(m.shape)} {m.dtype}")
+    m = m.double()
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError("boundary map contains NaN or Inf")
+    if float((m.T @ m - torch.eye(n, dtype=torch.float64)).abs().max()) > 1e-4:
+        raise ValueError("boundary map is not orthogonal")
+    return reorthogonalize(m)
 
 
 def frame_width(stage: Stage) -> int:
@@ -219,3 +240,19 @@ def signed_permutation(n: int, generator: torch.Generator) -> Tensor:
     perm = torch.randperm(n, generator=generator)
     signs = torch.randint(0, 2, (n,), generator=generator).double() * 2 - 1
     return torch.eye(n, dtype=torch.float64)[perm] * signs
+
+
+@torch.no_grad()
+def bake_frames(stages: list[Stage]) -> None:
+    """Make every boundary map the identity and drop it, keeping the function: head first, stage p+1's input is
+    rotated by M_p^T (so M_p becomes I and stage p+1 moves into stage p's frame). The result is an ordinary model
+    in the head's frame (gains folded), which exports to formats without boundary maps (a Hugging Face folder)."""
+    for p, stage in enumerate(stages[:-1]):
+        if stage.boundary_map is None:
+            continue
+        nxt = stages[p + 1]
+        if nxt.boundary_map is None and not nxt.spec.is_tail:
+            enable_frames(nxt, allow_tied_copies=True)  # an identity map that takes the rotation of its output
+        rotate_boundary(stages, p, stage.boundary_map.double().T.clone())
+        stage.boundary_map = None
+

@@ -11,6 +11,7 @@ Folders this module writes and reads (``docs/MODELS.md`` shows them with the com
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from agora.config import Manifest, ManifestError, even_split, load_manifest, par
 from agora.data import eot_id, get_tokenizer
 from agora.hf import export_state_dict, hf_config_kwargs, import_state_dict
 from agora.interop import load_checkpoint
+from agora.frames import FRAME_MAP, bake_frames, check_frame_map
 from agora.model import PipelineModel, Stage
 from agora.server.checkpoint import load_stage_checkpoint, save_stage_checkpoint, stage_dir
 
@@ -163,6 +165,10 @@ def stage_from_state(manifest: Manifest, index: int, names: Sequence[str], tenso
                 raise ModelFolderError(f"stage {index}: {name} has shape {tuple(src.shape)}, the manifest says "
                                        f"{tuple(p.shape)}")
             p.copy_(src)
+    try:
+        stage.boundary_map = check_frame_map(stage, by_name.get(FRAME_MAP))
+    except ValueError as err:
+        raise ModelFolderError(f"stage {index}: {err}") from None
     return stage
 
 
@@ -182,6 +188,9 @@ def merge_stages(manifest: Manifest, stages: list[Stage]) -> PipelineModel:
     # A dense model is the same network however it is cut; a subspace model is not (every stage but the last
     # writes k coordinates), so it keeps its cut: all stages, run back to back in one process.
     one = manifest if manifest.residual.mode == "subspace" else manifest.with_overrides(stages=[manifest.model.n_layers])
+    if any(st.boundary_map is not None for st in stages):  # UPM frames: one ordinary model in the head's frame
+        stages = [copy.deepcopy(st) for st in stages]
+        bake_frames(stages)
     if manifest.model.tie_embeddings and len(stages) > 1:
         head, tail = stages[0].embed_tokens.weight, stages[-1].lm_head.weight
         if not torch.equal(head, tail):

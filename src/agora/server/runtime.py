@@ -27,6 +27,7 @@ import torch
 
 from agora.config import Manifest
 from agora.model import KVCache, Stage, tied_parameter
+from agora.frames import FRAME_MAP, check_frame_map
 from agora.net.transport import RpcError
 from agora.optim import build_optimizer, set_lr
 from agora.server.checkpoint import save_stage_checkpoint
@@ -517,6 +518,9 @@ class StageRuntime:
                     value = st[key]
                     tensors.append(torch.as_tensor(value).detach().cpu().clone().reshape(-1) if key == "step"
                                    else value.detach().cpu().clone())
+        if self.stage.boundary_map is not None:  # UPM: the map into the next stage's frame (agora.frames)
+            names.append(FRAME_MAP)
+            tensors.append(self.stage.boundary_map.detach().cpu().clone())
         return self.step, names, tensors
 
     def import_state(self, step: int, names: list[str], tensors: list[torch.Tensor], keep_grads: bool = False) -> None:
@@ -527,6 +531,7 @@ class StageRuntime:
         missing = [n for n in params if f"param/{n}" not in by_name]
         if missing:
             raise ValueError(f"state is missing parameters {missing[:3]}")
+        frame = check_frame_map(self.stage, by_name.get(FRAME_MAP))
         with torch.no_grad():
             for name, p in params.items():
                 src = by_name[f"param/{name}"]
@@ -546,6 +551,7 @@ class StageRuntime:
                     self.optimizer.state.pop(q, None)
                 if not keep_grads:
                     p.grad = None
+            self.stage.boundary_map = frame.to(self.stage.rope_cos.device) if frame is not None else None
         self.version += 1
         self.step = int(step)
         if not keep_grads:
