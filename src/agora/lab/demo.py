@@ -293,7 +293,9 @@ class DemoRun:
         (False): record it, show it, and let chaos kill on schedule. Fails when a trainer exits early."""
         opts, record = self.options, self.record
         every = opts.chaos.every_s
-        next_kill = time.time() + every if every else None
+        # From the start of training (the trainers' launch, as ``StopRule.train_seconds`` counts it), not from this
+        # call: a trainer's slow start-up must not push every fault out of a run of fixed length.
+        next_kill = record.t0 + (record.train_started_s or 0.0) + every if every else None
         deadline = record.t0 + opts.stop.timeout
         view_context = (Live(console=console, refresh_per_second=2, transient=False) if opts.live
                         else contextlib.nullcontext())
