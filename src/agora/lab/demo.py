@@ -93,7 +93,7 @@ class StopRule:
     exact_tokens: bool = False
 
     def reached(self, snap: dict, trained_s: float) -> bool:
-        """Whether the swarm status ``snap``, ``trained_s`` seconds after the trainers started, ends training."""
+        """Whether the swarm status ``snap``, ``trained_s`` seconds after every trainer announced itself, ends training."""
         if self.exact_tokens and self.tokens is not None:
             return snap["tokens"] >= self.tokens
         return (_every_stage_at(snap, self.steps) or (self.tokens is not None and snap["tokens"] >= self.tokens)
@@ -293,9 +293,10 @@ class DemoRun:
         (False): record it, show it, and let chaos kill on schedule. Fails when a trainer exits early."""
         opts, record = self.options, self.record
         every = opts.chaos.every_s
-        # From the start of training (the trainers' launch, as ``StopRule.train_seconds`` counts it), not from this
-        # call: a trainer's slow start-up must not push every fault out of a run of fixed length.
-        next_kill = record.t0 + (record.train_started_s or 0.0) + every if every else None
+        # Faults and ``StopRule.train_seconds`` count from here, once every trainer has announced itself: a trainer's
+        # slow start-up neither eats the training window nor pushes faults out of it.
+        training_since = time.time()
+        next_kill = training_since + every if every else None
         deadline = record.t0 + opts.stop.timeout
         view_context = (Live(console=console, refresh_per_second=2, transient=False) if opts.live
                         else contextlib.nullcontext())
@@ -309,7 +310,7 @@ class DemoRun:
                 last_read = time.time()
                 self._observe(snap, view)
                 self.cpu.tick()
-                if opts.stop.reached(snap, time.time() - record.t0 - record.train_started_s):
+                if opts.stop.reached(snap, time.time() - training_since):
                     if opts.stop.exact_tokens and opts.stop.tokens:
                         self.cpu.mark()
                         self.settled = self._wait_settled(snap, deadline)
