@@ -16,3 +16,86 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# --- The suite's process must exit once its results are in ----------------------------------------------------
+# CI once printed "403 passed" and then hung until its 90-minute limit: something left behind by a test (a worker
+# thread the interpreter joins at exit, a child it waits for) kept the process alive. Once the session has
+# finished, a daemon watchdog waits EXIT_GRACE_S; if the process is still alive then, it prints every thread's
+# stack and the live children (so the log says what was left behind), stops those children by PID, and exits with
+# pytest's own status. It never changes a result: it only runs after the last report has been written.
+import faulthandler  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+EXIT_GRACE_S = float(os.environ.get("AGORA_TEST_EXIT_GRACE_S", "60"))
+_exit_status = {"code": 0}
+
+
+def _descendants() -> list:
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _describe_leftovers() -> str:
+    lines = []
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            lines.append(f"  thread {thread.name!r} (not a daemon: the interpreter joins it at exit)")
+    for proc in _descendants():
+        try:
+            lines.append(f"  child pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+        except Exception:  # noqa: BLE001 -- it may exit while we look
+            continue
+    return "\n".join(lines)
+
+
+def _stop_children() -> None:
+    import psutil
+
+    children = _descendants()
+    for proc in children:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=5)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def _watch_exit(grace_s: float) -> None:
+    time.sleep(grace_s)
+    out = sys.__stderr__
+    out.write(f"\n[conftest] the tests finished {grace_s:.0f} s ago but this process has not exited; left behind:\n"
+              f"{_describe_leftovers() or '  (no non-daemon thread or child process)'}\n"
+              "[conftest] every thread's stack:\n")
+    out.flush()
+    faulthandler.dump_traceback(file=out, all_threads=True)
+    _stop_children()
+    out.write(f"[conftest] exiting with pytest's status {_exit_status['code']}\n")
+    out.flush()
+    os._exit(_exit_status["code"])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status["code"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller decides
+        return
+    left = _describe_leftovers()
+    if left:
+        sys.__stderr__.write(f"\n[conftest] still alive after the last test:\n{left}\n")
+        sys.__stderr__.flush()
+    threading.Thread(target=_watch_exit, args=(EXIT_GRACE_S,), name="exit-watchdog", daemon=True).start()
