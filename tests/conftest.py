@@ -49,6 +49,8 @@ def _describe_leftovers() -> str:
             lines.append(f"  thread {thread.name!r} (not a daemon: the interpreter joins it at exit)")
     for proc in _descendants():
         try:
+            if proc.name() == "torch_shm_manager":  # torch's, one per process; it exits with this process
+                continue
             lines.append(f"  child pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
         except Exception:  # noqa: BLE001 -- it may exit while we look
             continue

@@ -102,3 +102,15 @@ def random_batches(vocab_size: int, seq_len: int, n: int, b: int = 4, seed: int 
 
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (b, seq_len + 1), generator=g) for _ in range(n)]
+
+
+def feed_fake_gradients(node, seed: int, samples: int = 8) -> None:
+    """Compute thread: what backwards of ``samples`` sequences leave behind (a seeded fake gradient)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rt = node.runtime
+    for p in rt.stage.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 0.1
+    rt.samples += samples
+    rt.last_sample_time = time.monotonic()

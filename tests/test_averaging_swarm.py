@@ -14,7 +14,7 @@ import torch
 from agora.config import load_manifest
 from agora.server.node import NodeOptions
 from agora.client.trainer import Trainer
-from swarm_util import local_swarm, random_batches, wait_until
+from swarm_util import feed_fake_gradients, local_swarm, random_batches, wait_until
 
 BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
 POWERSGD = BASE.with_overrides(**{"averaging.scheme": "powersgd", "averaging.rank": 2})
@@ -196,16 +196,6 @@ def test_powersgd_replica_stuck_inside_the_allreduce_then_killed(monkeypatch):
 SPARSE = BASE.with_overrides(**{"averaging": {"scheme": "sparse", "rho": 0.5, "every": 2}})
 
 
-def _feed(node, seed: int, samples: int = 8) -> None:
-    """Compute thread: what backwards of ``samples`` sequences leave behind (a seeded fake gradient)."""
-    g = torch.Generator().manual_seed(seed)
-    rt = node.runtime
-    for p in rt.stage.parameters():
-        p.grad = torch.randn(p.shape, generator=g) * 0.1
-    rt.samples += samples
-    rt.last_sample_time = time.monotonic()
-
-
 def _state(node) -> dict:
     out = {}
     for name, p in node.stage.named_parameters():
@@ -246,7 +236,7 @@ def test_sparse_replicas_step_on_own_gradients_and_average_a_seeded_slice_in_the
                 await asyncio.sleep(0.2)
             for step in (1, 2):  # together the replicas hold the batch: each steps on its own gradient
                 for i, x in enumerate(nodes):
-                    await x.run_compute(_feed, x, 10 * step + i)
+                    await x.run_compute(feed_fake_gradients, x, 10 * step + i)
                 await _wait(lambda: a.step == b.step == step, 20, f"step {step}")
             # Step 2 = H: a background round averages partition class (2 // H) % N = 1 of params, m and v.
             await _wait(lambda: a.sync.rounds_ok == b.sync.rounds_ok == 1, 30, "the first SPARTA round")
@@ -255,11 +245,11 @@ def test_sparse_replicas_step_on_own_gradients_and_average_a_seeded_slice_in_the
 
             # One replica alone holds the batch and steps; the other follows at once on its own gradient (none
             # here: a zero-gradient step) and never downloads the state of the one ahead, although they differ.
-            await a.run_compute(_feed, a, 99, 16)
+            await a.run_compute(feed_fake_gradients, a, 99, 16)
             await _wait(lambda: a.step == b.step == 3, 20, "b to follow a's step")
             assert a.sync.resyncs == b.sync.resyncs == 0 and b.sync.local_steps == 3
             for i, x in enumerate(nodes):
-                await x.run_compute(_feed, x, 40 + i)
+                await x.run_compute(feed_fake_gradients, x, 40 + i)
             await _wait(lambda: a.sync.rounds_ok == b.sync.rounds_ok == 2, 30, "the second SPARTA round")
             _assert_slice_averaged(a, b, part=0)
             assert a.sync.resyncs == b.sync.resyncs == 0 and a.sync.rounds_failed == b.sync.rounds_failed == 0
@@ -314,5 +304,5 @@ def test_averaging_spec_of_the_demo_and_benchmark_commands():
     assert demo_manifest("small", 3, averaging="powersgd,rank=8").averaging.rank == 8
     with pytest.raises(ValueError, match="expected SCHEME"):
         demo_manifest("tiny", 2, averaging="sparse,every")
-    with pytest.raises(ManifestError, match="only apply to scheme 'sparse'"):
+    with pytest.raises(ManifestError, match="only applies to schemes 'sparse' and 'diloco'"):
         demo_manifest("tiny", 2, averaging="powersgd,every=5")

@@ -209,7 +209,7 @@ def test_averaging_section_defaults_validates_and_enters_the_hash(tmp_path):
     ({"averaging": {"scheme": "sparse", "rho": 0}}, "averaging.rho"),
     ({"averaging": {"scheme": "sparse", "every": 0}}, "averaging.every"),
     ({"averaging": {"scheme": "full", "rank": 8}}, "only apply to scheme 'powersgd'"),
-    ({"averaging": {"scheme": "powersgd", "rho": 0.1}}, "only apply to scheme 'sparse'"),
+    ({"averaging": {"scheme": "powersgd", "rho": 0.1}}, "only applies to scheme 'sparse'"),
     ({"averaging": {"scheme": "full", "ranks": 8}}, "unknown key"),
 ])
 def test_bad_averaging_section_is_a_clear_error(change, needle):

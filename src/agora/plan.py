@@ -249,6 +249,9 @@ def _averaging_bytes(manifest: Manifest, params: int) -> tuple[int, int, str]:
     if a.scheme == "powersgd":
         return 16 * params, 16 * params, ("float64 M = G + E per matrix and the error-feedback buffers (16 B/param);"
                                           " at a step the taken gradients and the result (16 B/param)")
+    if a.scheme == "diloco":
+        return 24 * params, 4 * params, ("fp32 outer parameters and momentum (8 B/param) and the float64 payload "
+                                         "of both (16 B/param); at a step the taken fp32 gradients (4 B/param)")
     return int(24 * a.rho * params), 8 * params, (f"float64 payload of a rho={a.rho} slice of weights and both "
                                                   f"moments; at a step the taken float64 gradients")
 

@@ -260,6 +260,10 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "duplicate_microbatches": node.handler.exactly_once.duplicates,
         "aborted_rounds": sum(s.aborted_rounds for s in syncs),
         "averaging_bytes_sent": sum(s.bytes_sent for s in syncs),
+        # DiLoCo: outer steps taken alone (no partner alive, or the round failed) and the seconds outer rounds
+        # blocked this replica (inner steps wait for them).
+        "outer_rounds_alone": sum(getattr(s, "outer_rounds_alone", 0) for s in syncs),
+        "outer_round_s": sum(getattr(s, "outer_seconds", 0.0) for s in syncs),
         "moves": node.moves,
         **node.state_access.summary(),
         "maddrs": node.maddrs,

@@ -179,7 +179,8 @@ def _swarm_shape(opts: EfficiencyOptions, residual: Optional[str] = None, val_ba
 def _scheme_label(a) -> str:
     """The manifest's averaging section ``a`` in a few words, e.g. ``powersgd rank 4``."""
     return {"full": "full", "powersgd": f"powersgd rank {a.rank}",
-            "sparse": f"sparse rho {a.rho:g} every {a.every}"}[a.scheme]
+            "sparse": f"sparse rho {a.rho:g} every {a.every}",
+            "diloco": f"diloco every {a.every} outer lr {a.outer_lr:g} momentum {a.outer_momentum:g}"}[a.scheme]
 
 
 def _spread(v: dict, fmt: str = ".3f") -> str:

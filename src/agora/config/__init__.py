@@ -199,13 +199,19 @@ class AveragingConfig(_Strict):
       replicas still apply the same update and stay bit-identical.
     * ``sparse``: SPARTA. Each replica steps on its own gradients; every ``every`` steps a background round
       averages a seeded ``rho`` slice of parameters and Adam moments (replicas legitimately differ in between).
+    * ``diloco``: DiLoCo. Each replica takes ``every`` inner steps on its own gradients, then a blocking round
+      averages the outer step (Nesterov on the pseudo-gradient, ``outer_lr``, ``outer_momentum``): replicas end
+      every round identical and differ in between; ``1/every`` of ``full``'s rounds, each twice its size.
     """
 
-    scheme: Literal["full", "powersgd", "sparse"] = "full"
+    scheme: Literal["full", "powersgd", "sparse", "diloco"] = "full"
     rank: int = Field(default=4, ge=1, le=256, description="PowerSGD rank (powersgd only)")
     warm_start: bool = Field(default=False, description="PowerSGD: start from the last averaged Q (powersgd only)")
     rho: float = Field(default=0.05, gt=0, le=1, description="fraction of the state averaged per round (sparse)")
-    every: int = Field(default=20, ge=1, description="optimizer steps between sparse rounds (sparse only)")
+    every: int = Field(default=20, ge=1, le=100_000,
+                       description="optimizer steps between rounds (sparse; diloco: inner steps per outer step)")
+    outer_lr: float = Field(default=0.7, gt=0, le=10, description="DiLoCo outer learning rate (diloco only)")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="DiLoCo outer Nesterov momentum (diloco only)")
 
     @model_validator(mode="after")
     def _settings_of_the_scheme(self) -> "AveragingConfig":
@@ -216,9 +222,15 @@ class AveragingConfig(_Strict):
         if self.scheme != "powersgd" and changed("rank", "warm_start"):
             raise ValueError(f"averaging.rank/warm_start only apply to scheme 'powersgd' (scheme is "
                              f"{self.scheme!r}); remove them or set averaging.scheme: powersgd")
-        if self.scheme != "sparse" and changed("rho", "every"):
-            raise ValueError(f"averaging.rho/every only apply to scheme 'sparse' (scheme is {self.scheme!r}); "
-                             f"remove them or set averaging.scheme: sparse")
+        if self.scheme != "sparse" and changed("rho"):
+            raise ValueError(f"averaging.rho only applies to scheme 'sparse' (scheme is {self.scheme!r}); "
+                             f"remove it or set averaging.scheme: sparse")
+        if self.scheme not in ("sparse", "diloco") and changed("every"):
+            raise ValueError(f"averaging.every only applies to schemes 'sparse' and 'diloco' (scheme is "
+                             f"{self.scheme!r}); remove it or set averaging.scheme: sparse or diloco")
+        if self.scheme != "diloco" and changed("outer_lr", "outer_momentum"):
+            raise ValueError(f"averaging.outer_lr/outer_momentum only apply to scheme 'diloco' (scheme is "
+                             f"{self.scheme!r}); remove them or set averaging.scheme: diloco")
         return self
 
 
@@ -276,6 +288,8 @@ class Manifest(_Strict):
         data = self.model_dump(mode="json")
         if self.averaging == AveragingConfig():
             del data["averaging"]
+        elif self.averaging.scheme != "diloco":  # defaults there (validated); they came later: hashes stay
+            del data["averaging"]["outer_lr"], data["averaging"]["outer_momentum"]
         if self.security.state_access == StateAccessConfig():
             del data["security"]["state_access"]  # the section came later: default manifests keep their hash
         if not self.model.tie_embeddings:

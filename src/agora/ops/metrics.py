@@ -149,6 +149,11 @@ class NodeCollector(Collector):
             rounds.add_metric(["local"], sync.local_steps)
             yield rounds
             yield CounterMetricFamily("agora_state_resyncs", "State downloads from replicas.", value=sync.resyncs)
+            if hasattr(sync, "outer_seconds"):  # DiLoCo
+                yield CounterMetricFamily("agora_outer_rounds_alone", "DiLoCo outer steps taken without partners "
+                                          "(none alive, or the round failed).", value=sync.outer_rounds_alone)
+                yield CounterMetricFamily("agora_outer_round_seconds", "Seconds DiLoCo outer rounds blocked this "
+                                          "replica.", value=sync.outer_seconds)
             yield CounterMetricFamily("agora_averaging_bytes_sent",
                                       "All-reduce payload bytes this replica sent to its round partners.",
                                       value=sync.bytes_sent)

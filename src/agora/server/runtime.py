@@ -110,6 +110,7 @@ def trim_heap() -> None:
         libc.malloc_trim(0)
 
 PRECISIONS = ("fp32", "bf16")
+SYNC_PREFIX = "sync/"  # names of the averaging scheme's own state in export_state (StageRuntime.sync_state)
 BACKWARDS = ("stash", "recompute")
 
 
@@ -209,6 +210,9 @@ class StageRuntime:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.step = 0
         self.version = 0  # bumped whenever the parameters change (optimizer step, state import, averaging)
+        # State the averaging scheme keeps beside the optimizer (DiLoCo's outer parameters and momentum), named
+        # SYNC_PREFIX + ...: it travels with the stage's state (downloads, checkpoints) so a joiner continues it.
+        self.sync_state: dict[str, torch.Tensor] = {}
         self.generation = 0  # set by the node when it activates this runtime; pending microbatches must match
         self.active = True  # False once the node serves another runtime
         self.samples = 0  # samples whose gradients sit in .grad, waiting for the next step
@@ -521,6 +525,9 @@ class StageRuntime:
         if self.stage.boundary_map is not None:  # UPM: the map into the next stage's frame (agora.frames)
             names.append(FRAME_MAP)
             tensors.append(self.stage.boundary_map.detach().cpu().clone())
+        for name, value in self.sync_state.items():
+            names.append(name)
+            tensors.append(value.detach().cpu().clone())
         return self.step, names, tensors
 
     def import_state(self, step: int, names: list[str], tensors: list[torch.Tensor], keep_grads: bool = False) -> None:
@@ -552,6 +559,8 @@ class StageRuntime:
                 if not keep_grads:
                     p.grad = None
             self.stage.boundary_map = frame.to(self.stage.rope_cos.device) if frame is not None else None
+        # The scheme checks what it finds here (and starts afresh without it: a checkpoint of another scheme).
+        self.sync_state = {n: t.clone() for n, t in by_name.items() if n.startswith(SYNC_PREFIX)}
         self.version += 1
         self.step = int(step)
         if not keep_grads:
@@ -560,6 +569,27 @@ class StageRuntime:
 
     def _master(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
         return self._masters.of(p) if self._masters is not None else p
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps, in the stage's parameter order: the parameters themselves, or their fp32 host
+        copies when the optimizer is offloaded (the bf16 device copies are then only a rounding of these)."""
+        return [self._master(p) for p in self.stage.parameters()]
+
+    def load_parameters(self, values: list[torch.Tensor]) -> None:
+        """Compute thread: replace every parameter's value (and its host copy) in the stage's parameter order; the
+        optimizer's moments stay. The next forward takes a fresh weight snapshot (``version``)."""
+        params = list(self.stage.parameters())
+        if len(values) != len(params):
+            raise ValueError(f"{len(values)} values for {len(params)} parameters")
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                if v.shape != p.shape:
+                    raise ValueError(f"parameter value of shape {tuple(v.shape)} for {tuple(p.shape)}")
+                q = self._master(p)
+                q.copy_(v)
+                if q is not p:
+                    p.copy_(q, non_blocking=True)
+        self.version += 1
 
     def save_checkpoint(self) -> Optional[Path]:
         step, names, tensors = self.export_state()

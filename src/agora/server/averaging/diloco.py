@@ -1,0 +1,192 @@
+"""``diloco`` (DiLoCo, METHODS §8): each replica takes ``every`` inner steps on its own gradients with the stage's
+optimizer, then a blocking outer round moves every replica to the same outer parameters (Nesterov momentum on the
+pseudo-gradient, ``outer_lr``, ``outer_momentum``).
+
+Why a round averages each replica's *proposed* outer state (parameters and momentum) instead of the
+pseudo-gradient: the outer update is linear in (outer parameters, momentum, local parameters), so while the
+replicas agree on the outer state, as every successful round leaves them, the average of the proposals is exactly
+DiLoCo's update with the averaged pseudo-gradient; when they do not (one replica stepped alone because its partners
+were gone), the same average pulls them back together, with no leader and no download. The price: a round carries
+parameters and momentum, twice a ``full`` round, once every ``every`` steps. The outer state lives in the runtime's
+``sync_state``, so it travels with state downloads and checkpoints and a joiner continues the phase it joins.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Optional
+
+import torch
+
+from agora.net.records import PeerState
+from agora.server.averaging.allreduce import GuardedAverager
+from agora.server.averaging.sync import ReplicaSync, SyncContext
+from agora.server.runtime import SYNC_PREFIX
+
+logger = logging.getLogger("agora.averaging")
+
+OUTER = SYNC_PREFIX + "outer/"  # + parameter name: the outer parameters (where the last round left the replicas)
+MOMENTUM = SYNC_PREFIX + "momentum/"  # + parameter name: the outer Nesterov momentum buffer
+
+
+def outer_proposal(outer: torch.Tensor, momentum: torch.Tensor, local: torch.Tensor, lr: float,
+                   mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One replica's outer step from its own pseudo-gradient ``outer - local``, in float64: the new outer
+    parameters and momentum, as ``torch.optim.SGD(lr, momentum=mu, nesterov=True)`` would step them."""
+    delta = outer.double() - local.double()
+    velocity = mu * momentum.double() + delta
+    return outer.double() - lr * (delta + mu * velocity), velocity
+
+
+class DiLoCoSync(ReplicaSync):
+    scheme = "diloco"
+    gradient_dtype = torch.float32  # inner steps apply the replica's own gradients; nothing is averaged per step
+
+    def __init__(self, ctx: SyncContext):
+        super().__init__(ctx)
+        cfg = ctx.manifest.averaging
+        self.every, self.outer_lr, self.outer_momentum = cfg.every, cfg.outer_lr, cfg.outer_momentum
+        self.names = [name for name, _ in ctx.runtime.stage.named_parameters()]
+        self.outer: list[torch.Tensor] = []
+        self.momentum: list[torch.Tensor] = []
+        self._adopt_outer_state()
+        shapes = [p.shape for p in ctx.runtime.stage.parameters()]
+        payload = [torch.zeros(s, dtype=torch.float64) for s in shapes + shapes]  # outer params, then momentum
+        self.averager = GuardedAverager(payload, ctx.dht, **self.averager_settings())
+        self._samples_since_round = 0  # this replica's weight in the next outer round
+        self.outer_rounds_alone = 0  # outer steps taken without partners (none alive, or the round failed)
+        self.outer_seconds = 0.0  # how long outer rounds blocked this replica, in all
+
+    # ------------------------------------------------------------------ the outer state
+    def _adopt_outer_state(self) -> None:
+        """Take the outer state from the runtime's ``sync_state`` (a download, a checkpoint), or start a new phase
+        from the current parameters when it is absent or does not fit (a checkpoint of another scheme)."""
+        rt = self.ctx.runtime
+        state = rt.sync_state
+        params = rt.trained_parameters()
+        fits = all(state.get(OUTER + n) is not None and state[OUTER + n].shape == p.shape
+                   and state.get(MOMENTUM + n) is not None and state[MOMENTUM + n].shape == p.shape
+                   for n, p in zip(self.names, params))
+        if not fits:
+            if any(k.startswith(SYNC_PREFIX) for k in state):
+                logger.warning(f"stage {self.ctx.stage_index}: the saved averaging state does not fit DiLoCo's; "
+                               f"starting a new outer phase from the current parameters")
+            state = {}
+            for n, p in zip(self.names, params):
+                state[OUTER + n] = p.detach().to("cpu", torch.float32, copy=True)
+                state[MOMENTUM + n] = torch.zeros(p.shape, dtype=torch.float32)
+            rt.sync_state = state
+        self.outer = [state[OUTER + n].float() for n in self.names]
+        self.momentum = [state[MOMENTUM + n].float() for n in self.names]
+        rt.sync_state = {**{OUTER + n: t for n, t in zip(self.names, self.outer)},
+                         **{MOMENTUM + n: t for n, t in zip(self.names, self.momentum)}}
+
+    def _state_replaced(self) -> None:
+        self._adopt_outer_state()
+        self._samples_since_round = 0
+
+    def _load_proposal(self, step: Optional[int] = None) -> None:
+        """Compute thread: our proposed outer parameters and momentum into the averager's buffers. With ``step``
+        (a round starts), observers of ``"outer_round_start"`` see the inner phase's end state first."""
+        local = self.ctx.runtime.trained_parameters()
+        if step is not None:
+            self.ctx.observers.emit("outer_round_start", step, local)
+        n = len(local)
+        with self.averager.get_tensors() as bufs, torch.no_grad():
+            for i, (outer, mom, p) in enumerate(zip(self.outer, self.momentum, local)):
+                new_outer, new_mom = outer_proposal(outer, mom, p.detach().cpu(), self.outer_lr, self.outer_momentum)
+                bufs[i].copy_(new_outer)
+                bufs[n + i].copy_(new_mom)
+
+    def _apply_outer(self, averaged: bool) -> None:
+        """Compute thread: move to the averaged outer state (or, without a round, to our own proposal)."""
+        if not averaged:
+            self._load_proposal()  # a failed round may have left the buffers half-averaged: recompute ours
+        n = len(self.outer)
+        with self.averager.get_tensors() as bufs, torch.no_grad():
+            for i in range(n):
+                self.outer[i].copy_(bufs[i])
+                self.momentum[i].copy_(bufs[n + i])
+        self.ctx.runtime.load_parameters(self.outer)
+        self._set_fingerprint()
+
+    # ------------------------------------------------------------------ the loop
+    async def _tick(self) -> None:
+        c, rt = self.ctx, self.ctx.runtime
+        banned = await self.banned_replicas()
+        others = [r for r in await self.replicas() if r.state == PeerState.SERVING.value and r.peer_id not in banned]
+        boundary = (rt.step // self.every + 1) * self.every  # the next outer round
+        past = [r for r in others if r.step > boundary]
+        if past:
+            # A replica took the outer round at ``boundary`` without us: we can no longer join it; continue from
+            # its state (outer parameters, momentum and its inner progress).
+            best = max(r.step for r in past)
+            logger.info(f"stage {c.stage_index}: replica at step {best} passed the outer round of step {boundary} "
+                        f"without us (at {rt.step}); resyncing")
+            await self.download_from(random.choice([r for r in past if r.step == best]))
+            return
+        if any(r.step > rt.step for r in others):
+            await self.round(0)  # the stage took this step: follow on our own gradients
+            return
+        if rt.samples == 0:
+            return
+        await self._step_when_ready(sum(r.samples for r in others if r.step == rt.step), n_others=0)
+
+    def _before_step(self, samples: int) -> None:
+        self._samples_since_round += samples
+
+    async def _round(self, n_others: int, stalled: bool) -> None:
+        await super()._round(n_others, stalled)
+        step = self.ctx.runtime.step
+        if step % self.every == 0:
+            await self._outer_round(step)
+
+    async def _partners_left(self, step: int) -> bool:
+        """Replicas that are in, or will reach, the outer round of ``step``: serving, not banned, in its phase (a
+        replica still at the phase's first step, ``step - every``, counts: it follows our steps to the round)."""
+        banned = await self.banned_replicas()
+        return any(r.state == PeerState.SERVING.value and r.peer_id not in banned
+                   and (step - self.every <= r.step <= step or r.averaging_step == step)
+                   for r in await self.replicas())
+
+    async def _outer_round(self, step: int) -> None:
+        """The blocking outer round after inner step ``step``: average the proposals with the replicas in the same
+        phase, or step alone when none is alive or the round fails (the next round pulls the replicas together)."""
+        c = self.ctx
+        t0, sent_before = time.monotonic(), self.bytes_sent
+        weight, self._samples_since_round = self._samples_since_round, 0
+        await c.run_compute(self._load_proposal, step)
+        result: Optional[dict] = None
+        if await self._partners_left(step):
+            self.averaging_step = step
+            try:
+                await c.announce()  # partners behind us see the round and follow our step at once
+                self.control = await self._start_round(weight, {"outer": step})
+                result = await self._await_round(self.control, step, c.averaging_timeout_s)
+            except Exception as err:  # a failed round, not a failed node
+                logger.warning(f"stage {c.stage_index}: outer round of step {step} raised {err!r}")
+                result = None
+            finally:
+                self.averaging_step, self.control = -1, None
+            rounds = {g.get("outer") for g in result.values() if isinstance(g, dict)} if result else set()
+            if result is not None and (len(result) < 2 or rounds != {step} or await self._untrusted(result)):
+                logger.warning(f"stage {c.stage_index}: outer round of step {step} dropped (group of "
+                               f"{len(result)}, rounds {sorted(map(str, rounds))})")
+                result = None
+            if result is None:
+                self.rounds_failed += 1
+        await c.run_compute(self._apply_outer, result is not None)
+        seconds = time.monotonic() - t0
+        group = len(result) if result is not None else 1
+        if result is not None:
+            self.rounds_ok += 1
+            self.round_bytes.append(self.bytes_sent - sent_before)
+        else:
+            self.outer_rounds_alone += 1
+        self.outer_seconds += seconds
+        c.observers.emit("outer_round", result is not None, seconds, group)
+        c.log_event("outer_round", step=step, group=group, seconds=seconds, weight=weight)
+        logger.info(f"stage {c.stage_index}: outer step after step {step} with a group of {group} "
+                    f"({seconds:.2f}s{'' if result is not None else ', alone'})")

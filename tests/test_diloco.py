@@ -1,0 +1,221 @@
+"""``averaging.scheme: diloco``: the outer step's arithmetic, and two replicas of a live swarm.
+
+What must hold: a replica's outer proposal is PyTorch's Nesterov SGD on the pseudo-gradient; averaging proposals is
+DiLoCo's update with the averaged pseudo-gradient; in a live swarm the replicas differ between rounds and leave
+every round bit-identical at exactly the outer step computed here from their inner-phase parameters (with H = 1,
+outer lr 1 and momentum 0: the average of the replicas' parameters, i.e. per-step averaging); a joiner continues
+the outer state; a replica whose partner leaves mid-round steps alone and trains on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from agora.client.trainer import Trainer
+from agora.config import ManifestError, load_manifest
+from agora.net.dht import make_dht
+from agora.server.averaging.diloco import MOMENTUM, OUTER, outer_proposal
+from agora.server.node import NodeOptions, StageNode
+from swarm_util import feed_fake_gradients, local_swarm, random_batches, wait_until
+
+BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
+OPTS = NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0)
+
+
+def _diloco(every: int, lr: float = 0.7, mu: float = 0.9):
+    return BASE.with_overrides(averaging={"scheme": "diloco", "every": every, "outer_lr": lr, "outer_momentum": mu})
+
+
+def test_outer_proposal_is_nesterov_sgd_on_the_pseudo_gradient():
+    torch.manual_seed(0)
+    outer = torch.randn(5, 3)
+    param = torch.nn.Parameter(outer.clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    mine, momentum = outer.double(), torch.zeros(5, 3, dtype=torch.float64)
+    for _ in range(4):
+        local = mine.float() + 0.1 * torch.randn(5, 3)  # where an inner phase left this replica
+        param.grad = (param.detach() - local).clone()  # the pseudo-gradient, as DiLoCo feeds its outer optimizer
+        sgd.step()
+        mine, momentum = outer_proposal(mine.float(), momentum.float(), local, 0.7, 0.9)
+        assert torch.allclose(mine, param.detach().double(), atol=1e-6)
+        assert torch.allclose(momentum, sgd.state[param]["momentum_buffer"].double(), atol=1e-6)
+
+
+def test_averaging_proposals_is_the_outer_step_on_the_averaged_pseudo_gradient():
+    torch.manual_seed(1)
+    outer, momentum = torch.randn(64), torch.randn(64)
+    locals_, weights = [outer + 0.05 * torch.randn(64) for _ in range(3)], [1.0, 2.0, 5.0]
+    proposals = [outer_proposal(outer, momentum, x, 0.7, 0.9) for x in locals_]
+    avg_outer = sum(w * p[0] for w, p in zip(weights, proposals)) / sum(weights)
+    avg_momentum = sum(w * p[1] for w, p in zip(weights, proposals)) / sum(weights)
+    mean_local = sum(w * x.double() for w, x in zip(weights, locals_)) / sum(weights)
+    want_outer, want_momentum = outer_proposal(outer, momentum, mean_local, 0.7, 0.9)
+    assert torch.allclose(avg_outer, want_outer, atol=1e-12) and torch.allclose(avg_momentum, want_momentum, atol=1e-12)
+    # H = 1, outer lr 1, no momentum: the proposal is the replica's own parameters (per-step parameter averaging).
+    assert torch.equal(outer_proposal(outer, momentum, locals_[0], 1.0, 0.0)[0].float(), locals_[0])
+
+
+def test_diloco_settings_are_validated_and_other_schemes_keep_their_hash():
+    assert _diloco(4).averaging.outer_lr == 0.7
+    with pytest.raises(ManifestError, match="only apply to scheme 'diloco'"):
+        BASE.with_overrides(averaging={"scheme": "sparse", "outer_lr": 0.5})
+    with pytest.raises(ManifestError, match="only applies to scheme 'sparse'"):
+        BASE.with_overrides(averaging={"scheme": "diloco", "rho": 0.5})
+    with pytest.raises(ManifestError, match="outer_momentum"):
+        BASE.with_overrides(averaging={"scheme": "diloco", "outer_momentum": 1.0})
+    # Fields added for DiLoCo must not change other schemes' manifest hashes (their checkpoints must still load).
+    assert "outer_lr" not in BASE.with_overrides(averaging={"scheme": "sparse"}).canonical_json()
+    assert "outer_lr" in _diloco(4).canonical_json()
+
+
+def _expected_outer(outer, momentum, ends, lr, mu):
+    """Independently of the code under test: DiLoCo's outer Nesterov step on the replicas' mean pseudo-gradient
+    (equal weights: every replica was fed the same number of samples), in float64."""
+    new_outer, new_mom = [], []
+    for i in range(len(outer)):
+        d = sum(outer[i].double() - e[i].double() for e in ends) / len(ends)
+        v = mu * momentum[i].double() + d
+        new_mom.append(v)
+        new_outer.append(outer[i].double() - lr * (d + mu * v))
+    return new_outer, new_mom
+
+
+@pytest.mark.parametrize("every,lr,mu", [(2, 0.7, 0.9), (1, 1.0, 0.0)], ids=["H2-nesterov", "H1-lr1-mom0"])
+def test_replicas_differ_between_rounds_and_leave_each_round_identical_at_the_outer_step(every, lr, mu):
+    man = _diloco(every, lr, mu)
+
+    async def main():
+        async with local_swarm(man, [0, 0], OPTS) as (boot, peers, nodes):
+            a, b = nodes
+            assert a.sync.scheme == b.sync.scheme == "diloco"
+            ends: dict[int, dict[str, list]] = {}
+            for node in nodes:  # the inner phase's end on each replica, seen through the public observer hook
+                node.observers.subscribe("outer_round_start", lambda step, params, pid=node.peer_id: ends.setdefault(
+                    step, {}).__setitem__(pid, [p.detach().clone() for p in params]))
+            deadline = time.monotonic() + 30
+            while min([len(await x.sync.replicas()) for x in nodes]) < 1:
+                assert time.monotonic() < deadline, "replicas never saw each other"
+                await asyncio.sleep(0.2)
+            outer = [t.clone() for t in a.sync.outer]
+            momentum = [t.clone() for t in a.sync.momentum]
+            assert all(torch.equal(x, y) for x, y in zip(outer, b.sync.outer))
+            for step in range(1, 2 * every + 1):
+                for i, x in enumerate(nodes):
+                    await x.run_compute(feed_fake_gradients, x, 10 * step + i)
+                await wait_until(lambda: a.step == b.step == step and a.sync.averaging_step == b.sync.averaging_step
+                                 == -1 and a.sync.stepping is b.sync.stepping is False, 30, f"step {step}")
+                pa, pb = list(a.stage.parameters()), list(b.stage.parameters())
+                if step % every:
+                    # Inside an inner phase: each replica stepped on its own gradients.
+                    assert any(not torch.equal(x, y) for x, y in zip(pa, pb)), f"identical inside a phase ({step})"
+                    continue
+                assert set(ends[step]) == {a.peer_id, b.peer_id}
+                want, want_mom = _expected_outer(outer, momentum, list(ends[step].values()), lr, mu)
+                for name_p, x, y, w in zip(a.stage.named_parameters(), pa, pb, want):
+                    assert torch.equal(x, y), f"step {step}: {name_p[0]} differs after the round"
+                    assert torch.allclose(x.double(), w, atol=2e-6), f"step {step}: {name_p[0]} is not the outer step"
+                for x, y, w in zip(a.sync.momentum, b.sync.momentum, want_mom):
+                    assert torch.equal(x, y) and torch.allclose(x.double(), w, atol=2e-6)
+                if (lr, mu) == (1.0, 0.0):  # per-step averaging: the mean of the two replicas' parameters
+                    mean = [(x.double() + y.double()) / 2 for x, y in zip(*ends[step].values())]
+                    assert all(torch.allclose(x.double(), m, atol=1e-6) for x, m in zip(pa, mean))
+                assert a.sync.fingerprint == b.sync.fingerprint
+                outer = [t.clone() for t in a.sync.outer]
+                momentum = [t.clone() for t in a.sync.momentum]
+
+            # A joiner downloads a replica's state, outer state included, and continues its phase.
+            dht = make_dht(peers, manifest=man)
+            joiner = StageNode(man, 0, dht, OPTS)
+            try:
+                await joiner.start()
+                joined = (joiner.step, [torch.equal(x, y) for x, y in zip(joiner.sync.outer, a.sync.outer)],
+                          [torch.equal(x, y) for x, y in zip(joiner.sync.momentum, a.sync.momentum)],
+                          sorted(joiner.runtime.sync_state) == sorted(a.runtime.sync_state))
+            finally:
+                await joiner.stop()
+                dht.shutdown()
+            return a, b, joined
+
+    a, b, joined = asyncio.run(main())
+    assert a.sync.rounds_ok == b.sync.rounds_ok == 2 and a.sync.outer_rounds_alone == b.sync.outer_rounds_alone == 0
+    assert a.sync.resyncs == b.sync.resyncs == 0
+    step, outer_same, momentum_same, names_same = joined
+    assert step == 2 * every and all(outer_same) and all(momentum_same) and names_same
+    assert any(n.startswith(OUTER) for n in a.runtime.sync_state) and any(n.startswith(MOMENTUM)
+                                                                           for n in a.runtime.sync_state)
+    # Measured on the wire: a round moves parameters and momentum in float64 (the two replicas together send the
+    # payload once), twice a full round of the same stage.
+    elements = sum(p.numel() for p in a.stage.parameters())
+    assert [x + y for x, y in zip(a.sync.round_bytes, b.sync.round_bytes)] == [2 * 8 * elements] * 2
+
+
+def test_a_replica_whose_partner_leaves_mid_round_steps_alone_and_trains_on():
+    man = _diloco(2)
+
+    async def main():
+        async with local_swarm(man, [0, 0], OPTS) as (boot, peers, nodes):
+            a, b = nodes
+            deadline = time.monotonic() + 30
+            while min([len(await x.sync.replicas()) for x in nodes]) < 1:
+                assert time.monotonic() < deadline, "replicas never saw each other"
+                await asyncio.sleep(0.2)
+            await a.run_compute(feed_fake_gradients, a, 1, 16)  # a alone holds the whole batch; b follows
+            await wait_until(lambda: a.step == b.step == 1 and not a.sync.stepping, 30, "step 1 on both")
+            # b stalls (its sync loop cannot take its lock) while a's outer round after step 2 waits for it, then
+            # leaves: a must give up on it and take the outer step alone.
+            async with b.sync.lock:
+                await a.run_compute(feed_fake_gradients, a, 2, 16)
+                await wait_until(lambda: a.sync.averaging_step == 2, 20, "a's outer round to start")
+                await asyncio.sleep(2.5)
+                assert a.sync.averaging_step == 2, "a's round ended although its partner never came"
+                await b.stop()
+            await wait_until(lambda: a.step == 2 and a.sync.averaging_step == -1 and not a.sync.stepping, 40,
+                             "a's outer round to end")
+            t0 = time.monotonic()
+            for step in (3, 4):  # alone now: its next outer round does not wait for anyone
+                await a.run_compute(feed_fake_gradients, a, step, 16)
+                await wait_until(lambda: a.step == step and not a.sync.stepping, 20, f"a's step {step}")
+            return a, time.monotonic() - t0
+
+    a, alone_s = asyncio.run(main())
+    assert a.step == 4 and a.sync.outer_rounds_alone == 2 and a.sync.rounds_ok == 0, (
+        a.step, a.sync.outer_rounds_alone, a.sync.rounds_ok)
+    assert alone_s < 10, f"two steps and an outer round alone took {alone_s:.1f}s"
+
+
+def test_a_diloco_swarm_learns_through_a_pipeline_and_every_inner_step_is_a_new_version():
+    man = _diloco(2)
+    opts = NodeOptions(stall_step_s=1.0, averaging_timeout_s=10.0)
+
+    async def main():
+        async with local_swarm(man, [0, 0, 1], opts) as (boot, peers, nodes):
+            trainer = Trainer(man, boot, shard=None)
+            await trainer.start()
+            await wait_until(lambda: len(trainer.swarm[0]) == 2 and len(trainer.swarm[1]) == 1, 30, "all peers")
+            data = random_batches(man.model.vocab_size, man.model.seq_len, 4, 4, 0)
+            losses = [await trainer.evaluate(data[:2])]
+            heads = [n for n in nodes if n.stage_index == 0]
+            versions = []
+            for wave in range(6):
+                sent = await asyncio.gather(*(trainer.send(x) for x in data))
+                assert all(x is not None for x in sent), sent
+                await wait_until(lambda: all(n.runtime.samples == 0 and not n.sync.stepping for n in nodes), 40,
+                                 f"wave {wave} stepped")
+                versions.append([h.runtime.version for h in heads])
+            losses.append(await trainer.evaluate(data[:2]))
+            trainer.close()
+            return losses, heads, versions
+
+    losses, heads, versions = asyncio.run(main())
+    assert losses[1] < losses[0] - 0.5, losses
+    assert all(h.sync.resyncs == 0 for h in heads), [h.sync.resyncs for h in heads]
+    assert all(h.step >= 4 for h in heads) and all(h.sync.rounds_ok >= 1 for h in heads), [
+        (h.step, h.sync.rounds_ok, h.sync.outer_rounds_alone) for h in heads]
+    # Parameters a forward reads change at every inner step and every outer round: SENTINEL's audits and the
+    # stages' weight snapshots key on this version.
+    for i in range(2):
+        assert all(later[i] > earlier[i] for earlier, later in zip(versions, versions[1:])), versions
