@@ -286,6 +286,37 @@ def bench_convergence(
     run(out, opts, log=console.print)
 
 
+@bench_app.command("gossip")
+def bench_gossip(
+    out: Path = typer.Option(Path("bench-out/gossip")),
+    replicas: int = typer.Option(8, min=2), dim: int = typer.Option(500, min=2),
+    inner_steps: int = typer.Option(20, min=1), rounds: int = typer.Option(50, min=1),
+    inner_lr: float = typer.Option(0.01, min=0.0, help="the replicas' AdamW learning rate (their drift per phase)"),
+    heterogeneity: float = typer.Option(1.0, min=0.0, help="how different the replicas' shards are"),
+    edge_failure: float = typer.Option(0.1, min=0.0, max=1.0, help="share of edges dead per round (*_failures)"),
+    seeds: str = typer.Option("0,1,2", help="comma-separated seeds"),
+    variants: Optional[str] = typer.Option(None, help="comma-separated subset of: diloco, mix1, q1, q3, "
+                                                      "mix1_failures, q1_failures (default: all)"),
+) -> None:
+    """Factored gossip DiLoCo against exact DiLoCo, offline (METHODS section 8's logistic-regression test): loss
+    ratio, consensus distance and blocking bytes per variant."""
+    from agora.bench.gossip import VARIANTS, GossipOptions, run
+
+    try:
+        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+        chosen = tuple(x.strip() for x in variants.split(",") if x.strip()) if variants else None
+        unknown = [v for v in chosen or () if v not in VARIANTS]
+        if unknown or not seed_list:
+            raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}" if unknown
+                             else "give at least one seed")
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2)
+    run(out, GossipOptions(replicas=replicas, dim=dim, inner_steps=inner_steps, rounds=rounds, inner_lr=inner_lr,
+                           heterogeneity=heterogeneity, edge_failure=edge_failure, seeds=seed_list, variants=chosen),
+        log=console.print)
+
+
 @bench_app.command("upm")
 def bench_upm(
     out: Path = typer.Option(Path("bench-out/upm")),
