@@ -114,3 +114,34 @@ def feed_fake_gradients(node, seed: int, samples: int = 8) -> None:
         p.grad = torch.randn(p.shape, generator=g) * 0.1
     rt.samples += samples
     rt.last_sample_time = time.monotonic()
+
+
+async def train_in_waves(manifest, boot, nodes, waves: int, after_wave=None, settled=None,
+                         timeout: float = 40.0) -> list[float]:
+    """A trainer sends the same 4 microbatches of 4 (one ``tiny`` target batch) ``waves`` times, waiting after each
+    wave until every stage stepped (``after_wave(wave)`` then runs); returns the loss on 2 of them before and after
+    (``settled()``, if given, must hold before the last evaluation)."""
+    from agora.client.trainer import Trainer
+
+    trainer = Trainer(manifest, boot, shard=None)
+    await trainer.start()
+    try:
+        stages = {}
+        for n in nodes:
+            stages[n.stage_index] = stages.get(n.stage_index, 0) + 1
+        await wait_until(lambda: all(len(trainer.swarm[s]) == k for s, k in stages.items()), 30, "all peers")
+        data = random_batches(manifest.model.vocab_size, manifest.model.seq_len, 4, 4, 0)
+        losses = [await trainer.evaluate(data[:2])]
+        for wave in range(waves):
+            sent = await asyncio.gather(*(trainer.send(x) for x in data))
+            assert all(x is not None for x in sent), sent
+            await wait_until(lambda: all(n.runtime.samples == 0 and not n.sync.stepping for n in nodes), timeout,
+                             f"wave {wave} stepped")
+            if after_wave is not None:
+                after_wave(wave)
+        if settled is not None:
+            await wait_until(settled, 30, "the swarm to settle")
+        losses.append(await trainer.evaluate(data[:2]))
+        return losses
+    finally:
+        trainer.close()

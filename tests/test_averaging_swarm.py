@@ -14,7 +14,7 @@ import torch
 from agora.config import load_manifest
 from agora.server.node import NodeOptions
 from agora.client.trainer import Trainer
-from swarm_util import feed_fake_gradients, local_swarm, random_batches, wait_until
+from swarm_util import feed_fake_gradients, local_swarm, random_batches, train_in_waves, wait_until
 
 BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
 POWERSGD = BASE.with_overrides(**{"averaging.scheme": "powersgd", "averaging.rank": 2})
@@ -268,20 +268,9 @@ def test_sparse_swarm_learns_without_state_downloads():
 
     async def main():
         async with local_swarm(SPARSE, [0, 0, 1], opts) as (boot, peers, nodes):
-            trainer = Trainer(SPARSE, boot, shard=None)
-            await trainer.start()
-            await _wait(lambda: len(trainer.swarm[0]) == 2 and len(trainer.swarm[1]) == 1, 30, "all peers")
-            data = _batches(SPARSE, 4)
-            losses = [await trainer.evaluate(data[:2])]
-            for wave in range(6):
-                sent = await asyncio.gather(*(trainer.send(x) for x in data))
-                assert all(x is not None for x in sent), sent
-                await _wait(lambda: all(n.runtime.samples == 0 for n in nodes), 30, f"wave {wave} stepped")
             heads = [n for n in nodes if n.stage_index == 0]
-            await _wait(lambda: all(h.sync._sparse_task is None or h.sync._sparse_task.done() for h in heads), 30,
-                        "background rounds to finish")
-            losses.append(await trainer.evaluate(data[:2]))
-            trainer.close()
+            losses = await train_in_waves(SPARSE, boot, nodes, 6, timeout=30, settled=lambda: all(
+                h.sync._sparse_task is None or h.sync._sparse_task.done() for h in heads))
             return losses, heads
 
     losses, heads = asyncio.run(main())

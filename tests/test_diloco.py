@@ -15,12 +15,11 @@ import time
 import pytest
 import torch
 
-from agora.client.trainer import Trainer
 from agora.config import ManifestError, load_manifest
 from agora.net.dht import make_dht
 from agora.server.averaging.diloco import MOMENTUM, OUTER, outer_proposal
 from agora.server.node import NodeOptions, StageNode
-from swarm_util import feed_fake_gradients, local_swarm, random_batches, wait_until
+from swarm_util import feed_fake_gradients, local_swarm, train_in_waves, wait_until
 
 BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
 OPTS = NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0)
@@ -193,21 +192,10 @@ def test_a_diloco_swarm_learns_through_a_pipeline_and_every_inner_step_is_a_new_
 
     async def main():
         async with local_swarm(man, [0, 0, 1], opts) as (boot, peers, nodes):
-            trainer = Trainer(man, boot, shard=None)
-            await trainer.start()
-            await wait_until(lambda: len(trainer.swarm[0]) == 2 and len(trainer.swarm[1]) == 1, 30, "all peers")
-            data = random_batches(man.model.vocab_size, man.model.seq_len, 4, 4, 0)
-            losses = [await trainer.evaluate(data[:2])]
             heads = [n for n in nodes if n.stage_index == 0]
             versions = []
-            for wave in range(6):
-                sent = await asyncio.gather(*(trainer.send(x) for x in data))
-                assert all(x is not None for x in sent), sent
-                await wait_until(lambda: all(n.runtime.samples == 0 and not n.sync.stepping for n in nodes), 40,
-                                 f"wave {wave} stepped")
-                versions.append([h.runtime.version for h in heads])
-            losses.append(await trainer.evaluate(data[:2]))
-            trainer.close()
+            losses = await train_in_waves(man, boot, nodes, 6,
+                                          after_wave=lambda _: versions.append([h.runtime.version for h in heads]))
             return losses, heads, versions
 
     losses, heads, versions = asyncio.run(main())

@@ -14,7 +14,6 @@ parameters and momentum, twice a ``full`` round, once every ``every`` steps. The
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Optional
 
@@ -114,25 +113,14 @@ class DiLoCoSync(ReplicaSync):
 
     # ------------------------------------------------------------------ the loop
     async def _tick(self) -> None:
-        c, rt = self.ctx, self.ctx.runtime
+        rt = self.ctx.runtime
         banned = await self.banned_replicas()
         others = [r for r in await self.replicas() if r.state == PeerState.SERVING.value and r.peer_id not in banned]
         boundary = (rt.step // self.every + 1) * self.every  # the next outer round
+        # A replica past the next outer round took it without us: we can no longer join it; continue from its state
+        # (outer parameters, momentum and its inner progress).
         past = [r for r in others if r.step > boundary]
-        if past:
-            # A replica took the outer round at ``boundary`` without us: we can no longer join it; continue from
-            # its state (outer parameters, momentum and its inner progress).
-            best = max(r.step for r in past)
-            logger.info(f"stage {c.stage_index}: replica at step {best} passed the outer round of step {boundary} "
-                        f"without us (at {rt.step}); resyncing")
-            await self.download_from(random.choice([r for r in past if r.step == best]))
-            return
-        if any(r.step > rt.step for r in others):
-            await self.round(0)  # the stage took this step: follow on our own gradients
-            return
-        if rt.samples == 0:
-            return
-        await self._step_when_ready(sum(r.samples for r in others if r.step == rt.step), n_others=0)
+        await self._own_gradient_tick(others, past, f"passed the outer round of step {boundary} without us")
 
     def _before_step(self, samples: int) -> None:
         self._samples_since_round += samples

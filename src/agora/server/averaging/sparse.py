@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from typing import Optional
 
@@ -50,22 +49,11 @@ class SparseSync(ReplicaSync):
                 self._sparse_task.cancel()
 
     async def _tick(self) -> None:
-        c, rt = self.ctx, self.ctx.runtime
+        rt = self.ctx.runtime
         banned = await self.banned_replicas()  # also keeps the ban list fresh for the background rounds
         others = [r for r in await self.replicas() if r.state == PeerState.SERVING.value and r.peer_id not in banned]
         far = [r for r in others if r.step > rt.step + self.sparse.every]
-        if far:
-            best = max(r.step for r in far)
-            logger.info(f"stage {c.stage_index}: replica at step {best} is more than {self.sparse.every} steps ahead "
-                        f"of our {rt.step}; resyncing")
-            await self.download_from(random.choice([r for r in far if r.step == best]))
-            return
-        if any(r.step > rt.step for r in others):
-            await self.round(0)  # the stage took this step: follow on our own gradients
-            return
-        if rt.samples == 0:
-            return
-        await self._step_when_ready(sum(r.samples for r in others if r.step == rt.step), n_others=0)
+        await self._own_gradient_tick(others, far, f"is more than {self.sparse.every} steps ahead")
 
     def _before_step(self, samples: int) -> None:
         self._samples_since_round += samples

@@ -458,6 +458,25 @@ class ReplicaSync:
             # stepping then would give stages different step counts and batch sizes (docs/AVERAGING.md).
             await self.round(n_others, stalled=True)
 
+    async def _own_gradient_tick(self, others: list[StageRecord], ahead: list[StageRecord], why: str) -> None:
+        """The tick of schemes whose replicas step on their own gradients (``sparse``, ``diloco``): download the
+        freshest of ``ahead`` (replicas too far ahead to meet again; ``why`` says how, for the log); else follow a
+        replica that took the step we are still collecting for; else step once the replicas at our step together
+        hold the target batch (``others``: the serving, unbanned replicas)."""
+        rt = self.ctx.runtime
+        if ahead:
+            best = max(r.step for r in ahead)
+            logger.info(f"stage {self.ctx.stage_index}: replica at step {best} {why} (we are at {rt.step}); "
+                        f"resyncing")
+            await self.download_from(random.choice([r for r in ahead if r.step == best]))
+            return
+        if any(r.step > rt.step for r in others):
+            await self.round(0)  # the stage took this step: follow on our own gradients
+            return
+        if rt.samples == 0:
+            return
+        await self._step_when_ready(sum(r.samples for r in others if r.step == rt.step), n_others=0)
+
     async def _trainers_training(self) -> bool:
         """Whether a live trainer of the run is in its training loop (read at most every 2 s; True if unreadable)."""
         c, m = self.ctx, self.ctx.manifest
