@@ -291,6 +291,8 @@ def test_averaging_spec_of_the_demo_and_benchmark_commands():
     a = demo_manifest("tiny", 2, averaging="sparse, every=5, rho=0.1").averaging
     assert (a.scheme, a.every, a.rho) == ("sparse", 5, 0.1)
     assert demo_manifest("small", 3, averaging="powersgd,rank=8").averaging.rank == 8
+    d = demo_manifest("small", 3, averaging="diloco,every=4,outer_lr=0.5").averaging
+    assert (d.scheme, d.every, d.outer_lr, d.outer_momentum) == ("diloco", 4, 0.5, 0.9)
     with pytest.raises(ValueError, match="expected SCHEME"):
         demo_manifest("tiny", 2, averaging="sparse,every")
     with pytest.raises(ManifestError, match="only applies to schemes 'sparse' and 'diloco'"):
