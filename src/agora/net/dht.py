@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -19,7 +20,7 @@ from hivemind import DHT  # noqa: E402
 from agora.config import Manifest  # noqa: E402
 from agora.net.lifeline import GuardedDHT  # noqa: E402
 from agora.net.netns import entered  # noqa: E402
-from agora.net.records import announce, bind_owner_key, manifest_key, read_subkeys  # noqa: E402
+from agora.net.records import DHT_TIMEOUT_S, announce, bind_owner_key, manifest_key, read_subkeys  # noqa: E402
 from agora.trust.credentials import CredentialError, load_credentials, record_validators  # noqa: E402
 
 logger = logging.getLogger("agora")
@@ -133,8 +134,28 @@ def _join_error(initial_peers: Sequence[str], err: Exception) -> JoinError:
     )
 
 
-def visible_maddrs(dht: DHT) -> list[str]:
-    return [str(a) for a in dht.get_visible_maddrs()]
+def visible_maddrs(dht: DHT, timeout: float = DHT_TIMEOUT_S) -> list[str]:
+    """The DHT's reachable multiaddrs, within ``timeout``.
+
+    hivemind's ``get_visible_maddrs`` waits for its DHT process without a timeout: asked of a DHT that is shutting
+    down or dead it never returns, and a pool thread stuck in it keeps the whole process from exiting. The call runs
+    in a daemon thread, abandoned (with a ``TimeoutError``) after ``timeout``."""
+    box: dict = {}
+
+    def ask() -> None:
+        try:
+            box["maddrs"] = [str(a) for a in dht.get_visible_maddrs()]
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    asker = threading.Thread(target=ask, name="visible-maddrs", daemon=True)
+    asker.start()
+    asker.join(timeout)
+    if asker.is_alive():
+        raise TimeoutError(f"the DHT did not report its addresses within {timeout:.0f}s (is its process alive?)")
+    if "error" in box:
+        raise box["error"]
+    return box["maddrs"]
 
 
 def check_run_manifest(dht: DHT, manifest: Manifest, publish: bool = False) -> None:
