@@ -35,7 +35,7 @@ demo: $(STAMP)
 	$(VENV)/bin/agora demo --preset small --stages 3 --replicas 2 --steps 10 --compare-local --out runs/demo
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q -x --timeout=600 tests
+	$(PY) -m pytest -q -x --timeout=600 --durations=25 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

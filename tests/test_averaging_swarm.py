@@ -295,5 +295,5 @@ def test_averaging_spec_of_the_demo_and_benchmark_commands():
     assert (d.scheme, d.every, d.outer_lr, d.outer_momentum) == ("diloco", 4, 0.5, 0.9)
     with pytest.raises(ValueError, match="expected SCHEME"):
         demo_manifest("tiny", 2, averaging="sparse,every")
-    with pytest.raises(ManifestError, match="only applies to schemes 'sparse' and 'diloco'"):
+    with pytest.raises(ManifestError, match="only applies to schemes 'sparse', 'diloco' and 'gossip'"):
         demo_manifest("tiny", 2, averaging="powersgd,every=5")

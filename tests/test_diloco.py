@@ -60,7 +60,7 @@ def test_averaging_proposals_is_the_outer_step_on_the_averaged_pseudo_gradient()
 
 def test_diloco_settings_are_validated_and_other_schemes_keep_their_hash():
     assert _diloco(4).averaging.outer_lr == 0.7
-    with pytest.raises(ManifestError, match="only apply to scheme 'diloco'"):
+    with pytest.raises(ManifestError, match="only apply to schemes 'diloco' and 'gossip'"):
         BASE.with_overrides(averaging={"scheme": "sparse", "outer_lr": 0.5})
     with pytest.raises(ManifestError, match="only applies to scheme 'sparse'"):
         BASE.with_overrides(averaging={"scheme": "diloco", "rho": 0.5})

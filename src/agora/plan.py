@@ -252,6 +252,9 @@ def _averaging_bytes(manifest: Manifest, params: int) -> tuple[int, int, str]:
     if a.scheme == "diloco":
         return 24 * params, 4 * params, ("fp32 outer parameters and momentum (8 B/param) and the float64 payload "
                                          "of both (16 B/param); at a step the taken fp32 gradients (4 B/param)")
+    if a.scheme == "gossip":
+        return 12 * params, 4 * params, ("fp32 phase start and momentum (8 B/param) and the fp32 exchange buffer "
+                                         "(4 B/param); at a step the taken fp32 gradients (4 B/param)")
     return int(24 * a.rho * params), 8 * params, (f"float64 payload of a rho={a.rho} slice of weights and both "
                                                   f"moments; at a step the taken float64 gradients")
 

@@ -264,6 +264,10 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         # blocked this replica (inner steps wait for them).
         "outer_rounds_alone": sum(getattr(s, "outer_rounds_alone", 0) for s in syncs),
         "outer_round_s": sum(getattr(s, "outer_seconds", 0.0) for s in syncs),
+        # gossip: bytes of blocking (phase end) and background (Mix1) exchanges, and exchanges that found no pair
+        "gossip_blocking_bytes": sum(getattr(s, "blocking_bytes", 0) for s in syncs),
+        "gossip_background_bytes": sum(getattr(s, "background_bytes", 0) for s in syncs),
+        "gossip_exchanges_failed": sum(getattr(s, "exchanges_failed", 0) for s in syncs),
         "moves": node.moves,
         **node.state_access.summary(),
         "maddrs": node.maddrs,

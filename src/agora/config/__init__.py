@@ -202,9 +202,11 @@ class AveragingConfig(_Strict):
     * ``diloco``: DiLoCo. Each replica takes ``every`` inner steps on its own gradients, then a blocking round
       averages the outer step (Nesterov on the pseudo-gradient, ``outer_lr``, ``outer_momentum``): replicas end
       every round identical and differ in between; ``1/every`` of ``full``'s rounds, each twice its size.
+    * ``gossip``: factored gossip DiLoCo. As ``diloco``, but the exact average becomes pairwise exchanges: the
+      phase start mixed with one partner in the background (Mix1), then ``q`` blocking ring rounds (Mix2).
     """
 
-    scheme: Literal["full", "powersgd", "sparse", "diloco"] = "full"
+    scheme: Literal["full", "powersgd", "sparse", "diloco", "gossip"] = "full"
     rank: int = Field(default=4, ge=1, le=256, description="PowerSGD rank (powersgd only)")
     warm_start: bool = Field(default=False, description="PowerSGD: start from the last averaged Q (powersgd only)")
     rho: float = Field(default=0.05, gt=0, le=1, description="fraction of the state averaged per round (sparse)")
@@ -212,6 +214,7 @@ class AveragingConfig(_Strict):
                        description="optimizer steps between rounds (sparse; diloco: inner steps per outer step)")
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="DiLoCo outer learning rate (diloco only)")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="DiLoCo outer Nesterov momentum (diloco only)")
+    q: int = Field(default=1, ge=0, le=4, description="blocking Mix2 ring rounds per outer step (gossip only)")
 
     @model_validator(mode="after")
     def _settings_of_the_scheme(self) -> "AveragingConfig":
@@ -225,12 +228,15 @@ class AveragingConfig(_Strict):
         if self.scheme != "sparse" and changed("rho"):
             raise ValueError(f"averaging.rho only applies to scheme 'sparse' (scheme is {self.scheme!r}); "
                              f"remove it or set averaging.scheme: sparse")
-        if self.scheme not in ("sparse", "diloco") and changed("every"):
-            raise ValueError(f"averaging.every only applies to schemes 'sparse' and 'diloco' (scheme is "
-                             f"{self.scheme!r}); remove it or set averaging.scheme: sparse or diloco")
-        if self.scheme != "diloco" and changed("outer_lr", "outer_momentum"):
-            raise ValueError(f"averaging.outer_lr/outer_momentum only apply to scheme 'diloco' (scheme is "
-                             f"{self.scheme!r}); remove them or set averaging.scheme: diloco")
+        if self.scheme not in ("sparse", "diloco", "gossip") and changed("every"):
+            raise ValueError(f"averaging.every only applies to schemes 'sparse', 'diloco' and 'gossip' (scheme is "
+                             f"{self.scheme!r}); remove it or set averaging.scheme: sparse, diloco or gossip")
+        if self.scheme not in ("diloco", "gossip") and changed("outer_lr", "outer_momentum"):
+            raise ValueError(f"averaging.outer_lr/outer_momentum only apply to schemes 'diloco' and 'gossip' "
+                             f"(scheme is {self.scheme!r}); remove them or set averaging.scheme: diloco or gossip")
+        if self.scheme != "gossip" and changed("q"):
+            raise ValueError(f"averaging.q only applies to scheme 'gossip' (scheme is {self.scheme!r}); remove it "
+                             f"or set averaging.scheme: gossip")
         return self
 
 
@@ -288,8 +294,11 @@ class Manifest(_Strict):
         data = self.model_dump(mode="json")
         if self.averaging == AveragingConfig():
             del data["averaging"]
-        elif self.averaging.scheme != "diloco":  # defaults there (validated); they came later: hashes stay
-            del data["averaging"]["outer_lr"], data["averaging"]["outer_momentum"]
+        else:  # settings of other schemes are at their defaults (validated); they came later: hashes stay
+            if self.averaging.scheme not in ("diloco", "gossip"):
+                del data["averaging"]["outer_lr"], data["averaging"]["outer_momentum"]
+            if self.averaging.scheme != "gossip":
+                del data["averaging"]["q"]
         if self.security.state_access == StateAccessConfig():
             del data["security"]["state_access"]  # the section came later: default manifests keep their hash
         if not self.model.tie_embeddings:

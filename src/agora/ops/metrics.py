@@ -154,6 +154,15 @@ class NodeCollector(Collector):
                                           "(none alive, or the round failed).", value=sync.outer_rounds_alone)
                 yield CounterMetricFamily("agora_outer_round_seconds", "Seconds DiLoCo outer rounds blocked this "
                                           "replica.", value=sync.outer_seconds)
+            if hasattr(sync, "blocking_bytes"):  # gossip
+                exchanged = CounterMetricFamily("agora_gossip_bytes_sent", "Gossip exchange bytes this replica "
+                                                "sent, by kind (blocking: phase end; background: Mix1).",
+                                                labels=["kind"])
+                exchanged.add_metric(["blocking"], sync.blocking_bytes)
+                exchanged.add_metric(["background"], sync.background_bytes)
+                yield exchanged
+                yield CounterMetricFamily("agora_gossip_exchanges_failed", "Pairwise gossip exchanges that found "
+                                          "no partner in time.", value=sync.exchanges_failed)
             yield CounterMetricFamily("agora_averaging_bytes_sent",
                                       "All-reduce payload bytes this replica sent to its round partners.",
                                       value=sync.bytes_sent)

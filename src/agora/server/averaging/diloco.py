@@ -51,12 +51,15 @@ class DiLoCoSync(ReplicaSync):
         self.outer: list[torch.Tensor] = []
         self.momentum: list[torch.Tensor] = []
         self._adopt_outer_state()
-        shapes = [p.shape for p in ctx.runtime.stage.parameters()]
-        payload = [torch.zeros(s, dtype=torch.float64) for s in shapes + shapes]  # outer params, then momentum
-        self.averager = GuardedAverager(payload, ctx.dht, **self.averager_settings())
+        self.averager = self._make_payload_averager()
         self._samples_since_round = 0  # this replica's weight in the next outer round
         self.outer_rounds_alone = 0  # outer steps taken without partners (none alive, or the round failed)
         self.outer_seconds = 0.0  # how long outer rounds blocked this replica, in all
+
+    def _make_payload_averager(self) -> GuardedAverager:
+        shapes = [p.shape for p in self.ctx.runtime.stage.parameters()]
+        payload = [torch.zeros(s, dtype=torch.float64) for s in shapes + shapes]  # outer params, then momentum
+        return GuardedAverager(payload, self.ctx.dht, **self.averager_settings())
 
     # ------------------------------------------------------------------ the outer state
     def _adopt_outer_state(self) -> None:

@@ -1,0 +1,201 @@
+"""``gossip`` (factored gossip DiLoCo, METHODS §8): DiLoCo's inner phases, but no exact average at the phase end.
+
+* **Mix1**, in the background while the next inner phase runs: each replica averages its phase start with one
+  partner of the one-peer exponential graph (``agora.optim.gossip.exponential_edges`` over the live replicas sorted
+  by peer id; the partner changes every round, and ``log2 n`` rounds average exactly).
+* At the phase end each replica steps from its *mixed* start on its *own* pseudo-gradient and momentum
+  (``gossip_outer_step``), nothing awaited but its own Mix1.
+* **Mix2**, blocking: ``q`` rounds over the ring, each ring taken as its matchings (two, three for an odd count),
+  each matching one pairwise average. (The ring's Metropolis-Hastings matrix ``(I + S + S^T) / 3`` needs a
+  three-party exchange per replica; a sequence of pairwise averages is symmetric and doubly stochastic too.)
+
+Every exchange is a pair: hivemind's averager with ``target_group_size=2`` and the pair's own group bits (round,
+pass, pair index), so a pair meets only its partner. A partner that is dead or late leaves the exchange unmatched:
+the replica keeps its own value for that exchange (the dead edge drops out, as Metropolis-Hastings weights do), and
+training goes on. ``q = 0`` puts no byte on the wire at a phase end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from agora.net.records import DHT_TIMEOUT_S, PeerState
+from agora.optim.gossip import exponential_edges
+from agora.server.averaging.allreduce import GuardedAverager
+from agora.server.averaging.diloco import DiLoCoSync
+from agora.server.averaging.sync import SyncContext
+
+logger = logging.getLogger("agora.averaging")
+
+PAIR_BITS = 12  # pair index bits of the group key: up to 4096 pairs (8192 replicas) per exchange
+
+
+def ring_matchings(n: int) -> list[list[tuple[int, int]]]:
+    """The ring's edges split into matchings (no replica twice in one): even-indexed edges, odd ones, and for an odd
+    ``n`` the closing edge alone."""
+    edges = [(i, i + 1) for i in range(n - 1)]
+    out = [edges[0::2], edges[1::2]]
+    if n > 2:
+        out.append([(0, n - 1)] if n % 2 else [])
+        if n % 2 == 0:
+            out[1] = out[1] + [(0, n - 1)]
+    return [m for m in out if m]
+
+
+def pair_bits(round_index: int, exchange: int, pair: int) -> str:
+    """The group key bits of one pairwise exchange: 2 bits of round, 4 of exchange (0: Mix1, 1..: Mix2 matchings),
+    ``PAIR_BITS`` of pair index. Two replicas with the same bits form a group of two; nobody else has them."""
+    return f"{round_index % 4:02b}{exchange % 16:04b}{pair % (1 << PAIR_BITS):0{PAIR_BITS}b}"
+
+
+class GossipSync(DiLoCoSync):
+    scheme = "gossip"
+
+    def __init__(self, ctx: SyncContext):
+        self.q = ctx.manifest.averaging.q
+        super().__init__(ctx)
+        self._mix1_task: Optional[asyncio.Task] = None  # the phase start's background pairwise average
+        self._mixed: Optional[list[torch.Tensor]] = None  # its result (None: no partner, or the exchange failed)
+        self.blocking_bytes = self.background_bytes = 0
+        self.blocking_seconds = 0.0
+        self.exchanges_ok = self.exchanges_failed = 0
+
+    def _make_payload_averager(self) -> GuardedAverager:
+        shapes = [p.shape for p in self.ctx.runtime.stage.parameters()]
+        payload = [torch.zeros(s, dtype=torch.float32) for s in shapes]
+        settings = {**self.averager_settings(), "target_group_size": 2, "initial_group_bits": pair_bits(0, 0, 0)}
+        return GuardedAverager(payload, self.ctx.dht, **settings)
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:
+            if self._mix1_task is not None:
+                self._mix1_task.cancel()
+
+    def _state_replaced(self) -> None:
+        super()._state_replaced()
+        self._mixed = None  # a Mix1 of the trajectory left behind
+
+    # ------------------------------------------------------------------ the live graph
+    async def _ranked(self, step: int) -> tuple[list[str], int]:
+        """The replicas of the phase ending at ``step`` (serving, unbanned, ours included), sorted by peer id, and
+        our index among them: every replica computes the same graph from the same records."""
+        banned = await self.banned_replicas()
+        ids = {r.peer_id for r in await self.replicas() if r.state == PeerState.SERVING.value
+               and r.peer_id not in banned and step - self.every <= r.step <= step + self.every}
+        ranked = sorted(ids | {self.ctx.peer_id})
+        return ranked, ranked.index(self.ctx.peer_id)
+
+    async def _exchange(self, values: list[torch.Tensor], bits: str, label: str, timeout: float,
+                        step: Optional[int] = None) -> Optional[list[torch.Tensor]]:
+        """Average ``values`` with the one replica that uses group ``bits``; None when no pair formed in time (with
+        ``step``: given up early once no replica of that phase is alive)."""
+        c = self.ctx
+        try:
+            await c.run_io(lambda: self.averager.set_group_bits(bits, wait=False).result(timeout=DHT_TIMEOUT_S))
+            with self.averager.get_tensors() as bufs:
+                for b, v in zip(bufs, values):
+                    b.copy_(v)
+            control = await c.run_io(lambda: self.averager.step(weight=1.0, gather={"exchange": label},
+                                                                timeout=timeout, allow_retries=True, wait=False))
+            result = await self._await_round(control, step, timeout)
+        except Exception as err:  # an exchange that failed, not a failed node
+            logger.info(f"stage {c.stage_index}: gossip exchange {label} raised {err!r}")
+            result = None
+        labels = {g.get("exchange") for g in result.values() if isinstance(g, dict)} if result else set()
+        if result is None or len(result) != 2 or labels != {label} or await self._untrusted(result):
+            self.exchanges_failed += 1
+            return None
+        self.exchanges_ok += 1
+        with self.averager.get_tensors() as bufs:
+            return [b.clone() for b in bufs]
+
+    # ------------------------------------------------------------------ Mix1, in the background
+    def _start_mix1(self, boundary: int) -> None:
+        if self._mix1_task is not None and not self._mix1_task.done():
+            self._mix1_task.cancel()
+        self._mixed = None
+        start = [t.clone() for t in self.outer]
+        self._mix1_task = asyncio.create_task(self._mix1(boundary, start), name=f"gossip-mix1-{boundary}")
+
+    async def _mix1(self, boundary: int, start: list[torch.Tensor]) -> None:
+        """Average the phase start with this round's exponential-graph partner (the phase that starts at
+        ``boundary``); the result waits in ``_mixed`` for the phase end."""
+        round_index = boundary // self.every
+        ranked, me = await self._ranked(boundary)
+        pair = next(((i, j) for i, j in exponential_edges(len(ranked), round_index) if me in (i, j)), None)
+        if pair is None:
+            return  # alone, or sitting this round out (the count is not a power of two)
+        sent = self.bytes_sent
+        mixed = await self._exchange(start, pair_bits(round_index, 0, pair[0]), f"mix1-{boundary}",
+                                     self.ctx.averaging_timeout_s)
+        self.background_bytes += self.bytes_sent - sent
+        self._mixed = mixed
+
+    # ------------------------------------------------------------------ the phase end
+    async def _outer_round(self, step: int) -> None:
+        c = self.ctx
+        t0, sent = time.monotonic(), self.bytes_sent
+        self._samples_since_round = 0
+        if self._mix1_task is not None:  # normally long done: it ran during the whole phase
+            try:
+                await asyncio.wait_for(asyncio.shield(self._mix1_task), timeout=c.averaging_timeout_s)
+            except (asyncio.TimeoutError, Exception) as err:  # noqa: BLE001 -- a failed Mix1 mixes nothing
+                logger.info(f"stage {c.stage_index}: Mix1 of the phase ending at {step} not used: {err!r}")
+                self._mix1_task.cancel()
+                self._mixed = None
+        mixed, self._mixed = self._mixed, None
+        c.observers.emit("outer_round_start", step, c.runtime.trained_parameters())
+        new = await c.run_compute(self._outer_step, mixed)
+        ranked, me = await self._ranked(step)
+        for r in range(self.q if len(ranked) > 1 else 0):
+            for k, matching in enumerate(ring_matchings(len(ranked))):
+                pair = next(((i, j) for i, j in matching if me in (i, j)), None)
+                if pair is None:
+                    continue
+                self.averaging_step = step
+                averaged = await self._exchange(new, pair_bits(step // self.every, 1 + r * 3 + k, pair[0]),
+                                                f"mix2-{step}-{r}-{k}", c.averaging_timeout_s, step)
+                self.averaging_step = -1
+                if averaged is not None:
+                    new = averaged
+        await c.run_compute(self._enter_phase, new)
+        seconds = time.monotonic() - t0
+        self.blocking_seconds += seconds
+        self.outer_seconds += seconds
+        self.blocking_bytes += self.bytes_sent - sent
+        self.rounds_ok += 1  # an outer step, whatever its exchanges did (they are counted one by one)
+        if len(ranked) == 1:
+            self.outer_rounds_alone += 1
+        c.observers.emit("outer_round", mixed is not None, seconds, len(ranked))
+        c.log_event("outer_round", step=step, group=len(ranked), seconds=seconds, mixed=mixed is not None, q=self.q)
+        logger.info(f"stage {c.stage_index}: gossip outer step after step {step} ({len(ranked)} replicas, Mix1 "
+                    f"{'used' if mixed is not None else 'not used'}, {self.q} Mix2 rounds, {seconds:.2f}s)")
+        self._start_mix1(step)
+
+    def _outer_step(self, mixed: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Compute thread: from the (mixed) phase start, our own pseudo-gradient and momentum; returns the new
+        parameters (float32) and updates the momentum."""
+        local = self.ctx.runtime.trained_parameters()
+        base = mixed if mixed is not None else self.outer
+        out = []
+        with torch.no_grad():
+            for start, m, mom, p in zip(self.outer, base, self.momentum, local):
+                delta = start.double() - p.detach().cpu().double()
+                velocity = self.outer_momentum * mom.double() + delta
+                out.append((m.double() - self.outer_lr * (delta + self.outer_momentum * velocity)).float())
+                mom.copy_(velocity)
+        return out
+
+    def _enter_phase(self, new: list[torch.Tensor]) -> None:
+        """Compute thread: the new parameters are the next phase's start."""
+        for outer, v in zip(self.outer, new):
+            outer.copy_(v)
+        self.ctx.runtime.load_parameters(self.outer)
+        self._set_fingerprint()

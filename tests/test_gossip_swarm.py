@@ -1,0 +1,124 @@
+"""``averaging.scheme: gossip`` in a live swarm: two replicas of one stage, pairwise exchanges through hivemind.
+
+What must hold, checked against values computed here from the replicas' inner-phase parameters: with q = 0 nothing
+is exchanged at a phase end (zero blocking bytes) and the next phase end steps from the Mix1-averaged start; with
+q = 1 the Mix2 pair average leaves both replicas at the mean of their outer steps; a replica whose partner left
+keeps training on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from agora.config import load_manifest
+from agora.server.node import NodeOptions
+from swarm_util import feed_fake_gradients, local_swarm, wait_until
+
+BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
+OPTS = NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0)
+LR, MU = 0.7, 0.9
+
+
+def _gossip(q: int):
+    return BASE.with_overrides(averaging={"scheme": "gossip", "every": 2, "q": q})
+
+
+async def _see_each_other(nodes) -> None:
+    deadline = time.monotonic() + 30
+    while min([len(await x.sync.replicas()) for x in nodes]) < 1:
+        assert time.monotonic() < deadline, "replicas never saw each other"
+        await asyncio.sleep(0.2)
+
+
+def _own_step(start, mixed_start, momentum, end):
+    """One replica's outer step from a (mixed) start on its own pseudo-gradient, in float64: (new, momentum)."""
+    delta = start.double() - end.double()
+    v = MU * momentum + delta
+    return mixed_start.double() - LR * (delta + MU * v), v
+
+
+@pytest.mark.parametrize("q", [0, 1])
+def test_gossip_mixes_phase_starts_in_the_background_and_pairs_at_the_phase_end(q):
+    man = _gossip(q)
+
+    async def main():
+        async with local_swarm(man, [0, 0], OPTS) as (boot, peers, nodes):
+            a, b = nodes
+            assert a.sync.scheme == "gossip" and a.sync.q == q
+            ends: dict[int, dict[str, list]] = {}
+            for node in nodes:
+                node.observers.subscribe("outer_round_start", lambda step, params, pid=node.peer_id: ends.setdefault(
+                    step, {}).__setitem__(pid, [p.detach().clone() for p in params]))
+            await _see_each_other(nodes)
+            starts = {n.peer_id: [t.clone() for t in n.sync.outer] for n in nodes}
+            momenta = {n.peer_id: [torch.zeros_like(t, dtype=torch.float64) for t in n.sync.outer] for n in nodes}
+            seen = []
+            for step in range(1, 5):
+                for i, x in enumerate(nodes):
+                    await x.run_compute(feed_fake_gradients, x, 10 * step + i)
+                await wait_until(lambda: a.step == b.step == step and not a.sync.stepping and not b.sync.stepping,
+                                 40, f"step {step}")
+                if step % 2:
+                    continue
+                if step == 4:  # Mix1 of the phase that started at step 2 averaged the two starts exactly
+                    mixed = [(x.double() + y.double()) / 2 for x, y in zip(*starts.values())]
+                else:
+                    mixed = None  # the first phase starts from the seed's weights: nothing to mix
+                want = {}
+                for pid in starts:
+                    base = mixed if mixed is not None else [t.double() for t in starts[pid]]
+                    pairs = [_own_step(s, m, u, e) for s, m, u, e in zip(starts[pid], base, momenta[pid],
+                                                                          ends[step][pid])]
+                    want[pid] = [p[0] for p in pairs]
+                    momenta[pid] = [p[1] for p in pairs]
+                if q == 1:  # Mix2 with two replicas: one pair average of the two outer steps
+                    mean = [(x + y) / 2 for x, y in zip(*want.values())]
+                    want = {pid: mean for pid in want}
+                for n in nodes:
+                    got = [p.detach().double() for p in n.stage.parameters()]
+                    assert all(torch.allclose(g, w, atol=3e-6) for g, w in zip(got, want[n.peer_id])), (step, q)
+                    assert all(torch.allclose(m.double(), w, atol=3e-6) for m, w in zip(n.sync.momentum,
+                                                                                          momenta[n.peer_id]))
+                starts = {n.peer_id: [t.clone() for t in n.sync.outer] for n in nodes}
+                seen.append(max(float((x - y).abs().max()) for x, y in zip(a.stage.parameters(),
+                                                                             b.stage.parameters())))
+            await wait_until(lambda: all(n.sync._mix1_task.done() for n in nodes), 30, "the last Mix1")
+            return a, b, seen
+
+    a, b, seen = asyncio.run(main())
+    for s in (a.sync, b.sync):
+        assert s.rounds_ok == 2 and s.exchanges_failed == 0 and s.resyncs == 0
+        assert s.background_bytes > 0  # Mix1 of the second and third phases
+        if q == 0:
+            assert s.blocking_bytes == 0  # nothing on the wire at a phase end
+        else:
+            assert s.blocking_bytes > 0
+    if q == 0:
+        assert all(d > 0 for d in seen)  # each replica stepped on its own pseudo-gradient
+    else:
+        assert all(d < 1e-5 for d in seen)  # the pair average leaves them (all but) equal
+
+
+def test_a_gossip_replica_whose_partner_left_keeps_training():
+    man = _gossip(1)
+
+    async def main():
+        async with local_swarm(man, [0, 0], OPTS) as (boot, peers, nodes):
+            a, b = nodes
+            await _see_each_other(nodes)
+            await a.run_compute(feed_fake_gradients, a, 1, 16)
+            await wait_until(lambda: a.step == b.step == 1 and not a.sync.stepping, 30, "step 1 on both")
+            await b.stop()
+            t0 = time.monotonic()
+            for step in (2, 3, 4):  # phase ends at 2 and 4: exchanges with a partner that is gone
+                await a.run_compute(feed_fake_gradients, a, step, 16)
+                await wait_until(lambda: a.step == step and not a.sync.stepping, 40, f"a's step {step}")
+            return a, time.monotonic() - t0
+
+    a, seconds = asyncio.run(main())
+    assert a.step == 4 and a.sync.rounds_ok == 2 and a.sync.outer_rounds_alone == 2, (a.step, a.sync.rounds_ok)
+    assert seconds < 30, f"three steps and two phase ends without the partner took {seconds:.0f}s"
