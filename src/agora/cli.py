@@ -262,11 +262,11 @@ def bench_convergence(
     in_flight: int = typer.Option(4, min=2, help="microbatches in flight in the pipelined rows"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; every row runs once per seed"),
     rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, overlap, in_flight, replicas, "
-                                                  "powersgd, sparse, diloco, all, all_no_overlap, all_capped "
+                                                  "powersgd, sparse, diloco, gossip, all, all_no_overlap, all_capped "
                                                   "(default: all that apply)"),
     link_mbps: Optional[float] = typer.Option(None, help="add the all_capped row: every link capped at this rate"),
     val_batches: int = typer.Option(4, min=1),
-    diloco_every: int = typer.Option(4, min=1, help="the diloco row's inner steps per outer round"),
+    diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round"),
 ) -> None:
     """Validation loss at equal tokens: centralized against the swarm, each source of difference alone (rounds
     overlapping compute, microbatches in flight, replicas, averaging scheme, link caps) and all together; ratio and

@@ -12,6 +12,7 @@ rows add one source of difference at a time to ``serial``, then all together:
   powersgd        ``replicas`` averaged by PowerSGD
   sparse          ``replicas`` with sparse averaging
   diloco          ``replicas`` with DiLoCo: ``diloco_every`` inner steps per outer Nesterov step (0.7 / 0.9)
+  gossip          ``diloco`` with factored gossip instead of the exact average (q = 1)
   all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run)
   all_no_overlap  ``all`` with overlap off
   all_capped      ``all`` with every peer's link capped at ``link_mbps`` (only with ``link_mbps``)
@@ -33,7 +34,7 @@ from agora.lab.demo import DemoOptions, LinkOptions, StopRule, SwarmShape, demo_
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
-ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "sparse", "diloco", "all", "all_no_overlap", "all_capped")
+ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "sparse", "diloco", "gossip", "all", "all_no_overlap", "all_capped")
 # The targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
 TARGETS = {"serial": 1.001, "all": 1.02, "all_no_overlap": 1.02, "powersgd": 1.03, "sparse": 1.03}
 SWARM_TIMEOUT_S = 7200
@@ -72,6 +73,7 @@ class ConvergenceOptions:
             "powersgd": row(r, 1, False, "powersgd"),
             "sparse": row(r, 1, False, "sparse"),
             "diloco": row(r, 1, False, f"diloco,every={self.diloco_every}"),
+            "gossip": row(r, 1, False, f"gossip,every={self.diloco_every},q=1"),
             "all": row(r, f, None),
             "all_no_overlap": row(r, f, False),
         }
