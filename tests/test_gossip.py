@@ -13,7 +13,7 @@ import torch
 from agora.bench.gossip import GossipOptions, run
 from agora.optim.gossip import (consensus_distance, exponential_edges, gossip_outer_step, metropolis_hastings,
                                 mixing_error, ring_edges)
-from agora.server.averaging.diloco import outer_proposal
+from agora.optim.outer import nesterov_outer_step
 
 
 def test_mixing_matrices_stay_symmetric_and_doubly_stochastic_on_live_graphs():
@@ -53,7 +53,7 @@ def test_the_outer_step_without_gossip_is_dilocos_and_exact_mixing_with_agreemen
     end = start + 0.1 * torch.randn(n, d, dtype=torch.float64)
     momentum = torch.randn(d, dtype=torch.float64).expand(n, d).clone()
     exact, velocity = gossip_outer_step(start, end, momentum, None, 0.7, 0.9)
-    want, want_v = outer_proposal(start[0], momentum[0], end.mean(0), 0.7, 0.9)  # the swarm scheme's arithmetic
+    want, want_v = nesterov_outer_step(start[0], momentum[0], end.mean(0), 0.7, 0.9)  # the swarm scheme's arithmetic
     assert torch.allclose(exact, want.expand(n, d), atol=1e-12) and torch.allclose(velocity, want_v.expand(n, d))
     assert consensus_distance(exact) < 1e-12
     # Gossip with the exact average as its mix, replicas agreeing on start and momentum: each replica still steps

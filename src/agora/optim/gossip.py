@@ -18,6 +18,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from agora.optim.outer import nesterov_outer_step
+
 Edge = tuple[int, int]
 
 
@@ -74,11 +76,7 @@ def gossip_outer_step(start: torch.Tensor, end: torch.Tensor, momentum: torch.Te
     ``u_i <- mu u_i + Delta_i``, ``theta_i <- sum_j W1_ij start_j - lr (Delta_i + mu u_i)``. ``w1=None`` is exact
     DiLoCo (every replica mixes with the exact average and steps on the averaged pseudo-gradient and momentum).
     Returns (new parameters, new momentum)."""
-    delta = start - end
-    if w1 is None:
-        n = start.shape[0]
-        w1 = torch.full((n, n), 1.0 / n, dtype=start.dtype)
-        delta = delta.mean(dim=0, keepdim=True).expand_as(delta)
-        momentum = momentum.mean(dim=0, keepdim=True).expand_as(momentum)
-    velocity = mu * momentum + delta
-    return w1.to(start.dtype) @ start - lr * (delta + mu * velocity), velocity
+    if w1 is None:  # every replica at the averages: averaging the end is averaging the pseudo-gradient
+        start, end, momentum = (t.mean(dim=0, keepdim=True).expand_as(t) for t in (start, end, momentum))
+        return nesterov_outer_step(start, momentum, end, lr, mu)
+    return nesterov_outer_step(start, momentum, end, lr, mu, mixed_start=w1.to(start.dtype) @ start)

@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from agora.net.records import PeerState
+from agora.net.records import PeerState, StageRecord
+from agora.optim.outer import nesterov_outer_step
 from agora.server.averaging.allreduce import GuardedAverager
 from agora.server.averaging.sync import ReplicaSync, SyncContext
 from agora.server.runtime import SYNC_PREFIX
@@ -28,15 +29,6 @@ logger = logging.getLogger("agora.averaging")
 
 OUTER = SYNC_PREFIX + "outer/"  # + parameter name: the outer parameters (where the last round left the replicas)
 MOMENTUM = SYNC_PREFIX + "momentum/"  # + parameter name: the outer Nesterov momentum buffer
-
-
-def outer_proposal(outer: torch.Tensor, momentum: torch.Tensor, local: torch.Tensor, lr: float,
-                   mu: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One replica's outer step from its own pseudo-gradient ``outer - local``, in float64: the new outer
-    parameters and momentum, as ``torch.optim.SGD(lr, momentum=mu, nesterov=True)`` would step them."""
-    delta = outer.double() - local.double()
-    velocity = mu * momentum.double() + delta
-    return outer.double() - lr * (delta + mu * velocity), velocity
 
 
 class DiLoCoSync(ReplicaSync):
@@ -79,7 +71,6 @@ class DiLoCoSync(ReplicaSync):
             for n, p in zip(self.names, params):
                 state[OUTER + n] = p.detach().to("cpu", torch.float32, copy=True)
                 state[MOMENTUM + n] = torch.zeros(p.shape, dtype=torch.float32)
-            rt.sync_state = state
         self.outer = [state[OUTER + n].float() for n in self.names]
         self.momentum = [state[MOMENTUM + n].float() for n in self.names]
         rt.sync_state = {**{OUTER + n: t for n, t in zip(self.names, self.outer)},
@@ -98,7 +89,8 @@ class DiLoCoSync(ReplicaSync):
         n = len(local)
         with self.averager.get_tensors() as bufs, torch.no_grad():
             for i, (outer, mom, p) in enumerate(zip(self.outer, self.momentum, local)):
-                new_outer, new_mom = outer_proposal(outer, mom, p.detach().cpu(), self.outer_lr, self.outer_momentum)
+                new_outer, new_mom = nesterov_outer_step(outer, mom, p.detach().cpu(), self.outer_lr,
+                                                         self.outer_momentum)
                 bufs[i].copy_(new_outer)
                 bufs[n + i].copy_(new_mom)
 
@@ -134,13 +126,15 @@ class DiLoCoSync(ReplicaSync):
         if step % self.every == 0:
             await self._outer_round(step)
 
-    async def _partners_left(self, step: int) -> bool:
-        """Replicas that are in, or will reach, the outer round of ``step``: serving, not banned, in its phase (a
-        replica still at the phase's first step, ``step - every``, counts: it follows our steps to the round)."""
+    async def _phase_replicas(self, step: int, past: int = 0) -> list[StageRecord]:
+        """The other replicas of the phase ending at ``step``: serving, not banned, at its first step (``step -
+        every``: they follow our steps to the round) up to ``past`` steps after it, or announcing its round."""
         banned = await self.banned_replicas()
-        return any(r.state == PeerState.SERVING.value and r.peer_id not in banned
-                   and (step - self.every <= r.step <= step or r.averaging_step == step)
-                   for r in await self.replicas())
+        return [r for r in await self.replicas() if r.state == PeerState.SERVING.value and r.peer_id not in banned
+                and (step - self.every <= r.step <= step + past or r.averaging_step == step)]
+
+    async def _partners_left(self, step: int) -> bool:
+        return bool(await self._phase_replicas(step))
 
     async def _outer_round(self, step: int) -> None:
         """The blocking outer round after inner step ``step``: average the proposals with the replicas in the same

@@ -4,7 +4,7 @@
   partner of the one-peer exponential graph (``agora.optim.gossip.exponential_edges`` over the live replicas sorted
   by peer id; the partner changes every round, and ``log2 n`` rounds average exactly).
 * At the phase end each replica steps from its *mixed* start on its *own* pseudo-gradient and momentum
-  (``gossip_outer_step``), nothing awaited but its own Mix1.
+  (``nesterov_outer_step`` from the mixed start), nothing awaited but its own Mix1.
 * **Mix2**, blocking: ``q`` rounds over the ring, each ring taken as its matchings (two, three for an odd count),
   each matching one pairwise average. (The ring's Metropolis-Hastings matrix ``(I + S + S^T) / 3`` needs a
   three-party exchange per replica; a sequence of pairwise averages is symmetric and doubly stochastic too.)
@@ -24,8 +24,9 @@ from typing import Optional
 
 import torch
 
-from agora.net.records import DHT_TIMEOUT_S, PeerState
+from agora.net.records import DHT_TIMEOUT_S
 from agora.optim.gossip import exponential_edges
+from agora.optim.outer import nesterov_outer_step
 from agora.server.averaging.allreduce import GuardedAverager
 from agora.server.averaging.diloco import DiLoCoSync
 from agora.server.averaging.sync import SyncContext
@@ -62,7 +63,6 @@ class GossipSync(DiLoCoSync):
         self._mix1_task: Optional[asyncio.Task] = None  # the phase start's background pairwise average
         self._mixed: Optional[list[torch.Tensor]] = None  # its result (None: no partner, or the exchange failed)
         self.blocking_bytes = self.background_bytes = 0
-        self.blocking_seconds = 0.0
         self.exchanges_ok = self.exchanges_failed = 0
 
     def _make_payload_averager(self) -> GuardedAverager:
@@ -86,9 +86,7 @@ class GossipSync(DiLoCoSync):
     async def _ranked(self, step: int) -> tuple[list[str], int]:
         """The replicas of the phase ending at ``step`` (serving, unbanned, ours included), sorted by peer id, and
         our index among them: every replica computes the same graph from the same records."""
-        banned = await self.banned_replicas()
-        ids = {r.peer_id for r in await self.replicas() if r.state == PeerState.SERVING.value
-               and r.peer_id not in banned and step - self.every <= r.step <= step + self.every}
+        ids = {r.peer_id for r in await self._phase_replicas(step, past=self.every)}
         ranked = sorted(ids | {self.ctx.peer_id})
         return ranked, ranked.index(self.ctx.peer_id)
 
@@ -146,13 +144,12 @@ class GossipSync(DiLoCoSync):
         if self._mix1_task is not None:  # normally long done: it ran during the whole phase
             try:
                 await asyncio.wait_for(asyncio.shield(self._mix1_task), timeout=c.averaging_timeout_s)
-            except (asyncio.TimeoutError, Exception) as err:  # noqa: BLE001 -- a failed Mix1 mixes nothing
+            except Exception as err:  # noqa: BLE001 -- a failed or late Mix1 mixes nothing
                 logger.info(f"stage {c.stage_index}: Mix1 of the phase ending at {step} not used: {err!r}")
                 self._mix1_task.cancel()
                 self._mixed = None
         mixed, self._mixed = self._mixed, None
-        c.observers.emit("outer_round_start", step, c.runtime.trained_parameters())
-        new = await c.run_compute(self._outer_step, mixed)
+        new = await c.run_compute(self._outer_step, mixed, step)
         ranked, me = await self._ranked(step)
         for r in range(self.q if len(ranked) > 1 else 0):
             for k, matching in enumerate(ring_matchings(len(ranked))):
@@ -167,7 +164,6 @@ class GossipSync(DiLoCoSync):
                     new = averaged
         await c.run_compute(self._enter_phase, new)
         seconds = time.monotonic() - t0
-        self.blocking_seconds += seconds
         self.outer_seconds += seconds
         self.blocking_bytes += self.bytes_sent - sent
         self.rounds_ok += 1  # an outer step, whatever its exchanges did (they are counted one by one)
@@ -179,17 +175,17 @@ class GossipSync(DiLoCoSync):
                     f"{'used' if mixed is not None else 'not used'}, {self.q} Mix2 rounds, {seconds:.2f}s)")
         self._start_mix1(step)
 
-    def _outer_step(self, mixed: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def _outer_step(self, mixed: Optional[list[torch.Tensor]], step: int) -> list[torch.Tensor]:
         """Compute thread: from the (mixed) phase start, our own pseudo-gradient and momentum; returns the new
-        parameters (float32) and updates the momentum."""
+        parameters (float32) and updates the momentum. Observers of ``"outer_round_start"`` see the phase's end."""
         local = self.ctx.runtime.trained_parameters()
-        base = mixed if mixed is not None else self.outer
+        self.ctx.observers.emit("outer_round_start", step, local)
         out = []
         with torch.no_grad():
-            for start, m, mom, p in zip(self.outer, base, self.momentum, local):
-                delta = start.double() - p.detach().cpu().double()
-                velocity = self.outer_momentum * mom.double() + delta
-                out.append((m.double() - self.outer_lr * (delta + self.outer_momentum * velocity)).float())
+            for i, (start, mom, p) in enumerate(zip(self.outer, self.momentum, local)):
+                new, velocity = nesterov_outer_step(start, mom, p.detach().cpu(), self.outer_lr, self.outer_momentum,
+                                                    mixed[i] if mixed is not None else None)
+                out.append(new.float())
                 mom.copy_(velocity)
         return out
 
