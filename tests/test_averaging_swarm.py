@@ -297,3 +297,29 @@ def test_averaging_spec_of_the_demo_and_benchmark_commands():
         demo_manifest("tiny", 2, averaging="sparse,every")
     with pytest.raises(ManifestError, match="only applies to schemes 'sparse', 'diloco' and 'gossip'"):
         demo_manifest("tiny", 2, averaging="powersgd,every=5")
+
+
+def test_numuon_replicas_averaging_every_step_stay_bit_identical_and_learn():
+    """NuMuon's Krylov sketch is seeded per (run seed, step, parameter): two replicas stepping with the same
+    averaged gradient take the same rank-k step and never need a state download."""
+    man = BASE.with_overrides(**{"optimizer.name": "numuon", "optimizer.muon.rank": 0.25})
+    losses, heads = asyncio.run(_train(man, steps=3, check_each_step=_identical))
+    assert all(h.sync.resyncs == 0 and h.sync.rounds_ok == 3 for h in heads), [h.sync.rounds_ok for h in heads]
+    assert losses[1] < losses[0] - 0.5, losses
+
+
+def test_sparse_rounds_with_muon_average_its_momentum_and_the_swarm_learns():
+    man = SPARSE.with_overrides(**{"optimizer.name": "muon"})
+    opts = NodeOptions(stall_step_s=1.0, averaging_timeout_s=10.0)
+
+    async def main():
+        async with local_swarm(man, [0, 0, 1], opts) as (boot, peers, nodes):
+            heads = [n for n in nodes if n.stage_index == 0]
+            losses = await train_in_waves(man, boot, nodes, 6, timeout=30, settled=lambda: all(
+                h.sync._sparse_task is None or h.sync._sparse_task.done() for h in heads))
+            return losses, heads
+
+    losses, heads = asyncio.run(main())
+    assert losses[1] < losses[0] - 0.5, losses
+    assert all(h.sync.resyncs == 0 and h.sync.rounds_failed == 0 for h in heads)
+    assert sum(h.sync.rounds_ok for h in heads) >= 2, [h.sync.rounds_ok for h in heads]

@@ -468,6 +468,9 @@ def node(
     backward: str = typer.Option("stash", help="stash: keep each in-flight microbatch's graph; recompute: keep its "
                                                "input and re-run the forward at backward time (less memory)"),
     offload_optimizer: bool = typer.Option(False, help="keep fp32 master weights and Adam moments in host RAM"),
+    curvature_every: int = typer.Option(0, min=0, help="measure this stage's top preconditioned Hessian eigenvalue "
+                                                       "every N optimizer steps (0: never); summary and /metrics"),
+    curvature_hvps: int = typer.Option(3, min=1, max=5, help="Hessian-vector products per curvature measurement"),
     incoming_budget_mib: Optional[float] = typer.Option(
         None, min=1, help="MiB of incoming requests all peers together may make this node buffer (default: two "
                           "of the run's largest requests, at least 4)"),
@@ -484,7 +487,8 @@ def node(
 
     try:
         compute = RuntimeOptions(device=str(resolve_device(device)), precision=precision, backward=backward,
-                                 offload_optimizer=offload_optimizer)
+                                 offload_optimizer=offload_optimizer, curvature_every=curvature_every,
+                                 curvature_hvps=curvature_hvps)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)

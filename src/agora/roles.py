@@ -269,6 +269,8 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "gossip_background_bytes": sum(getattr(s, "background_bytes", 0) for s in syncs),
         "gossip_exchanges_failed": sum(getattr(s, "exchanges_failed", 0) for s in syncs),
         "moves": node.moves,
+        # the stage's top preconditioned Hessian eigenvalue, lr x it against the stability threshold, alarms
+        "curvature": node.runtime.curvature.summary() if node.runtime.curvature is not None else None,
         **node.state_access.summary(),
         "maddrs": node.maddrs,
         "fingerprint": sync.fingerprint if sync else 0.0,

@@ -111,19 +111,29 @@ class SparseAverager:
         self.device = self.named_params[0][1].device if self.named_params else None
         self.partition = SparsePartition([(n, p.shape) for n, p in self.named_params], parts_for_rho(rho), seed,
                                          self.device)
-        self._betas: Dict[int, Tuple[float, float]] = {}
+        # Per parameter: the optimizer state averaged with it and the decay rate of each (for the delta rule).
+        # Adam-style groups keep two moments; Muon's matrix groups (``kind: matrix``) keep one momentum buffer.
+        self._moments: Dict[int, Tuple[Tuple[str, float], ...]] = {}
         if optimizer is not None:
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    self._betas[id(p)] = tuple(group["betas"])
+                    if group.get("kind") == "matrix":
+                        self._moments[id(p)] = (("momentum_buffer", float(group["momentum"])),)
+                    else:
+                        beta1, beta2 = group["betas"]
+                        self._moments[id(p)] = (("exp_avg", float(beta1)), ("exp_avg_sq", float(beta2)))
 
     @property
     def n_parts(self) -> int:
         return self.partition.n_parts
 
     def payload_numel(self) -> int:
-        per = 3 if self.average_moments else 1
-        return per * sum(self.partition.slot(name) for name, _ in self.named_params)
+        return sum(self.partition.slot(name) * (1 + len(self._moments_of(p))) for name, p in self.named_params)
+
+    def _moments_of(self, p: torch.Tensor) -> Tuple[Tuple[str, float], ...]:
+        if not self.average_moments:
+            return ()
+        return self._moments.get(id(p), (("exp_avg", 1.0), ("exp_avg_sq", 1.0)))
 
     def due(self, step: int) -> bool:
         """Whether a round starts after optimizer step ``step`` (every ``H`` steps, never at step 0)."""
@@ -133,11 +143,14 @@ class SparseAverager:
         if not p.is_contiguous():
             raise ValueError(f"parameter {name} is not contiguous")
         out = [p.detach()]
-        if self.average_moments:
+        moments = self._moments_of(p)
+        if moments:
             state = self.optimizer.state.get(p, {})  # type: ignore[union-attr]
-            if "exp_avg" not in state or "exp_avg_sq" not in state:
-                raise RuntimeError(f"parameter {name} has no Adam moments yet: start rounds after the first step")
-            out += [state["exp_avg"], state["exp_avg_sq"]]
+            missing = [key for key, _ in moments if key not in state]
+            if missing:
+                raise RuntimeError(f"parameter {name} has no {'/'.join(missing)} yet: start rounds after the first "
+                                   f"step")
+            out += [state[key] for key, _ in moments]
         return out
 
     @torch.no_grad()
@@ -172,15 +185,15 @@ class SparseAverager:
         offset = 0
         for (name, p), idx in zip(self.named_params, snapshot.indices):
             slot = self.partition.slot(name)
-            beta1, beta2 = self._betas.get(id(p), (1.0, 1.0))
-            for kind, t in enumerate(self._tensors(p, name)):
-                decay = (1.0, beta1**k, beta2**k)[kind]
+            keys = [("param", 1.0)] + list(self._moments_of(p))
+            for (key, beta), t in zip(keys, self._tensors(p, name)):
+                decay = beta**k
                 old = snapshot.payload[offset: offset + idx.numel()]
                 avg = averaged[offset: offset + idx.numel()]
                 flat = t.view(-1)
                 current = flat[idx].to(self.dtype)
                 new = avg * decay + (current - old * decay)  # exact avg when k = 0 and nothing moved
-                if kind == 2:
+                if key == "exp_avg_sq":
                     new.clamp_(min=0.0)
                 flat[idx] = new.to(t.dtype)
                 offset += slot

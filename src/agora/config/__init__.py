@@ -79,11 +79,29 @@ class Residual(_Strict):
     wire_dtype: Literal["fp32", "bf16"] = "bf16"
 
 
+class MuonConfig(_Strict):
+    """Settings of ``optimizer.name: muon | numuon`` (agora.optim.muon; docs/OPTIMIZERS.md). Matrices inside the
+    blocks step along their orthogonalised momentum; embeddings, the LM head and vectors use AdamW with the
+    optimizer's ``lr``, ``betas`` and ``weight_decay``."""
+
+    momentum: float = Field(default=0.95, ge=0, lt=1, description="EMA factor of the matrices' momentum")
+    nesterov: bool = True
+    rms_scale: float = Field(default=0.2, gt=0, description="update RMS of a full-rank step (x sqrt(max side))")
+    rank: float = Field(default=0.25, gt=0, le=1, description="numuon: fraction of singular directions kept")
+    rank_final: Optional[float] = Field(default=None, gt=0, le=1, description="numuon: fraction at total_steps")
+    rank_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    krylov_iters: int = Field(default=3, ge=0, le=16, description="numuon: block Krylov iterations")
+    oversample: int = Field(default=8, ge=0, le=256, description="numuon: extra sketch columns")
+    ns_steps: int = Field(default=5, ge=1, le=20, description="muon: Newton-Schulz iterations")
+
+
 class OptimizerConfig(_Strict):
     """AdamW, or NAdam with decoupled weight decay (``nadam``: the asynchronous-pipeline recipe, use betas
-    (0.99, 0.999)); ``lookahead`` extrapolates the forward weights by the stage's pipeline delay (experimental)."""
+    (0.99, 0.999)); ``lookahead`` extrapolates the forward weights by the stage's pipeline delay (experimental);
+    ``muon`` / ``numuon``: orthogonalised (rank-limited) momentum on block matrices, AdamW on the rest."""
 
-    name: Literal["adamw", "nadam"] = "adamw"
+    name: Literal["adamw", "nadam", "muon", "numuon"] = "adamw"
+    muon: MuonConfig = MuonConfig()
     momentum_decay: float = Field(default=0.004, ge=0)
     lookahead: bool = False
     lr: float = Field(default=3e-4, gt=0)
@@ -99,6 +117,10 @@ class OptimizerConfig(_Strict):
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optimizer.betas {list(self.betas)} must each be in [0, 1): they are decay rates of "
                              f"moving averages (e.g. [0.9, 0.95])")
+        if self.name not in ("muon", "numuon") and self.muon != MuonConfig():
+            raise ValueError(f"optimizer.muon is read only by optimizer.name muon or numuon, not {self.name!r}")
+        if self.lookahead and self.name != "nadam":
+            raise ValueError("optimizer.lookahead needs optimizer.name: nadam")
         return self
 
 
@@ -299,6 +321,8 @@ class Manifest(_Strict):
                 del data["averaging"]["outer_lr"], data["averaging"]["outer_momentum"]
             if self.averaging.scheme != "gossip":
                 del data["averaging"]["q"]
+        if self.optimizer.name not in ("muon", "numuon"):
+            del data["optimizer"]["muon"]  # the section came later and is unread here: hashes stay
         if self.security.state_access == StateAccessConfig():
             del data["security"]["state_access"]  # the section came later: default manifests keep their hash
         if not self.model.tie_embeddings:

@@ -65,7 +65,7 @@ def train_model(
     if shard is not None:
         train = train.shard(manifest.seed, *shard)
     model = PipelineModel(manifest)
-    opt = build_optimizer(model, manifest.optimizer)
+    opt = build_optimizer(model, manifest.optimizer, seed=manifest.seed)
     mb, target = manifest.batch.microbatch_size, manifest.batch.target_batch_size
     accum = max(1, target // mb)
     batches = train.batches(mb, seed=manifest.seed)

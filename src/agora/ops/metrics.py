@@ -119,6 +119,19 @@ class NodeCollector(Collector):
         if n.is_tail and not math.isnan(n.runtime.loss_ema):
             yield GaugeMetricFamily("agora_loss_ema", "Training loss (EMA) seen by the tail stage.",
                                     value=n.runtime.loss_ema)
+        curvature = n.runtime.curvature if n.runtime is not None else None
+        if curvature is not None:
+            c = curvature.summary()
+            yield GaugeMetricFamily("agora_curvature_lambda", "Top eigenvalue of this stage's Adam-preconditioned "
+                                    "Hessian, last measurement (NaN before the first).",
+                                    value=c["value"] if c["value"] is not None else float("nan"))
+            yield GaugeMetricFamily("agora_curvature_lr_lambda", "Learning rate x that eigenvalue; above "
+                                    "agora_curvature_threshold the step is unstable.",
+                                    value=c["lr_times_value"] if c["lr_times_value"] is not None else float("nan"))
+            yield GaugeMetricFamily("agora_curvature_threshold", "Stability threshold (2 + 2 beta1) / (1 - beta1).",
+                                    value=c["threshold"])
+            yield CounterMetricFamily("agora_curvature_alarms", "Curvature measurements above the threshold.",
+                                      value=c["alarms"])
         yield StateSetMetricFamily("agora_peer_state", "Lifecycle state of this peer.",
                                    value={s.value: n.state == s for s in PeerState})
 

@@ -7,6 +7,7 @@ baseline would make every swarm-vs-centralized comparison meaningless.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -22,15 +23,37 @@ def lr_at(cfg: OptimizerConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_optimizer(module: nn.Module, cfg: OptimizerConfig, delay: int = 0) -> torch.optim.Optimizer:
-    """AdamW or delay-aware NAdam, with weight decay on matrices only (norm gains and 1-d tensors are not decayed).
+def build_optimizer(module: nn.Module, cfg: OptimizerConfig, delay: int = 0, names: Optional[list[str]] = None,
+                    seed: int = 0) -> torch.optim.Optimizer:
+    """AdamW, delay-aware NAdam, Muon or NuMuon, with weight decay on matrices only (norm gains and 1-d tensors are
+    not decayed).
 
-    ``delay`` is the stage's pipeline staleness in optimizer steps; only NAdam with ``lookahead`` uses it.
+    ``delay`` is the stage's pipeline staleness in optimizer steps; only NAdam with ``lookahead`` uses it. ``names``:
+    the parameters' names when ``module`` names them otherwise (host copies); Muon tells block matrices from the
+    embedding and LM head by name. ``seed``: Muon's sketch seed (the run's seed: replicas must agree).
     """
-    decay, no_decay = [], []
-    for _, p in module.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+    named = list(module.named_parameters())
+    if names is not None:
+        if len(names) != len(named):
+            raise ValueError(f"{len(names)} names for {len(named)} parameters")
+        named = [(n, p) for n, (_, p) in zip(names, named)]
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if cfg.name in ("muon", "numuon"):
+        from agora.optim.muon import Muon
+
+        matrices = [p for n, p in trainable if is_block_matrix(n, p)]
+        rest = [(n, p) for n, p in trainable if not is_block_matrix(n, p)]
+        groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "kind": "matrix"},
+                  {"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
+        mc = cfg.muon
+        return Muon([g for g in groups if g["params"]], lr=lr_at(cfg, 0), betas=tuple(cfg.betas),
+                    momentum=mc.momentum, nesterov=mc.nesterov, rms_scale=mc.rms_scale,
+                    rank=mc.rank if cfg.name == "numuon" else None, rank_final=mc.rank_final,
+                    rank_schedule=mc.rank_schedule, total_steps=cfg.total_steps, krylov_iters=mc.krylov_iters,
+                    oversample=mc.oversample, ns_steps=mc.ns_steps, seed=seed)
+    decay = [p for _, p in trainable if p.dim() >= 2]
+    no_decay = [p for _, p in trainable if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "nadam":
         from agora.optim.nadam import DelayedNAdam
@@ -38,6 +61,12 @@ def build_optimizer(module: nn.Module, cfg: OptimizerConfig, delay: int = 0) -> 
         return DelayedNAdam(groups, lr=lr_at(cfg, 0), betas=tuple(cfg.betas), momentum_decay=cfg.momentum_decay,
                             delay=delay if cfg.lookahead else 0)
     return torch.optim.AdamW(groups, lr=lr_at(cfg, 0), betas=tuple(cfg.betas), foreach=False)
+
+
+def is_block_matrix(name: str, p: torch.Tensor) -> bool:
+    """A 2-D weight inside a transformer block: what Muon orthogonalises. The embedding and LM head are lookup and
+    read-out tables (their rows are tokens, not directions of a linear map between hidden spaces) and use AdamW."""
+    return p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, step: int) -> float:

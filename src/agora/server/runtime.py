@@ -31,6 +31,7 @@ from agora.frames import FRAME_MAP, check_frame_map
 from agora.net.transport import RpcError
 from agora.optim import build_optimizer, set_lr
 from agora.server.checkpoint import save_stage_checkpoint
+from agora.server.curvature import StageCurvature
 from agora.server.observers import Observers
 from agora.wire import WIRE_DTYPES, Boundary, compress, decompress
 
@@ -110,6 +111,8 @@ def trim_heap() -> None:
         libc.malloc_trim(0)
 
 PRECISIONS = ("fp32", "bf16")
+# The optimizer state a stage exports per parameter (``opt/<key>/<name>``): Adam's moments, Muon's momentum, the step.
+OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "step")
 SYNC_PREFIX = "sync/"  # names of the averaging scheme's own state in export_state (StageRuntime.sync_state)
 BACKWARDS = ("stash", "recompute")
 
@@ -146,18 +149,27 @@ class RuntimeOptions:
       (same gradients, one microbatch's activations in memory at a time)
     :param offload_optimizer: the optimizer keeps fp32 master copies and its moments in host RAM and steps there;
       the device holds the weights and gradients only (3 of every 5 fp32 words of training state leave it)
+    :param curvature_every: measure the stage's top preconditioned Hessian eigenvalue after every N-th optimizer
+      step (0: never; server/curvature.py), with ``curvature_hvps`` Hessian-vector products, spending at most
+      ``curvature_budget`` of the compute time on it
     """
 
     device: str = "cpu"
     precision: str = "fp32"
     backward: str = "stash"
     offload_optimizer: bool = False  # fp32 master weights, Adam moments and the step in host RAM
+    curvature_every: int = 0
+    curvature_hvps: int = 3
+    curvature_budget: float = 0.05
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.backward not in BACKWARDS:
             raise ValueError(f"--backward {self.backward!r}: use one of {', '.join(BACKWARDS)}")
+        if self.curvature_every < 0 or not 1 <= self.curvature_hvps <= 5 or not 0 < self.curvature_budget <= 1:
+            raise ValueError(f"curvature: every {self.curvature_every} must be >= 0, hvps {self.curvature_hvps} in "
+                             f"1..5, budget {self.curvature_budget} in (0, 1]")
 
 
 @dataclass
@@ -204,9 +216,12 @@ class StageRuntime:
         # What the optimizer steps: the stage's own parameters, or their host copies (offload). ``_master`` maps
         # each parameter to the tensor the optimizer holds state for.
         self._masters = _HostMasters(self.stage) if options.offload_optimizer else None
-        self.optimizer = build_optimizer(self._masters or self.stage, manifest.optimizer)
+        self.optimizer = build_optimizer(self._masters or self.stage, manifest.optimizer, seed=manifest.seed,
+                                         names=[n for n, _ in self.stage.named_parameters()])
         self.counters = counters
         self.observers = observers
+        self.curvature = (StageCurvature(self, options.curvature_every, options.curvature_hvps,
+                                         options.curvature_budget) if options.curvature_every else None)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.step = 0
         self.version = 0  # bumped whenever the parameters change (optimizer step, state import, averaging)
@@ -231,6 +246,7 @@ class StageRuntime:
         """Free the stage's parameters, gradients, optimizer state and weight stash; the runtime is unusable
         afterwards. Only for a process forked from the node (see ``_RUNTIMES``)."""
         self.active = False
+        self.curvature = None  # its vector is the size of the stage
         if self.device.type != "cpu" and self._masters is None:
             return  # a forked child must not touch CUDA memory; the host holds nothing big here
         self.optimizer.state.clear()  # on the host: with a CPU device, or offloaded
@@ -298,6 +314,8 @@ class StageRuntime:
                     # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean. (Outside
                     # autocast: the backward runs in the dtypes the forward chose.)
                     (loss_t * tokens.shape[0]).backward()
+                    if self.curvature is not None:
+                        self.curvature.keep(coords, tokens, targets=next_token_targets(tokens, last))
         fwd_s = self._account(t0, tokens.numel(), "forward")
         if self.is_tail and train:
             self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
@@ -355,6 +373,8 @@ class StageRuntime:
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
         sent.backward(self._in(grad_out).to(sent.dtype))
+        if self.curvature is not None:
+            self.curvature.keep(pending.leaf, pending.tokens, grad_out=grad_out)
         if pending.weights is not None:
             # The gradient landed on the snapshot: move it to the live parameters, where steps are taken.
             for name, p in self.stage.named_parameters():
@@ -506,6 +526,8 @@ class StageRuntime:
             p.grad = g
         self.version += 1
         self.step += 1
+        if self.curvature is not None:
+            self.curvature.after_step(self.step, self.counters.busy_s)
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
 
@@ -516,7 +538,7 @@ class StageRuntime:
             names.append(f"param/{name}")
             tensors.append(p.detach().cpu().clone())
             st = self.optimizer.state.get(self._master(p), {})
-            for key in ("exp_avg", "exp_avg_sq", "step"):
+            for key in OPTIMIZER_STATE_KEYS:
                 if key in st:
                     names.append(f"opt/{key}/{name}")
                     value = st[key]
@@ -548,12 +570,15 @@ class StageRuntime:
                 q = self._master(p)
                 if q is not p:
                     q.copy_(src)
-                if f"opt/exp_avg/{name}" in by_name:
+                st = {key: by_name[f"opt/{key}/{name}"] for key in OPTIMIZER_STATE_KEYS if f"opt/{key}/{name}" in by_name}
+                if "step" in st and len(st) > 1:
+                    for key, value in st.items():
+                        if key != "step" and value.shape != q.shape:
+                            raise ValueError(f"{name}: optimizer {key} of shape {tuple(value.shape)} != "
+                                             f"{tuple(q.shape)}")
                     self.optimizer.state[q] = {
-                        "exp_avg": by_name[f"opt/exp_avg/{name}"].to(q.device, copy=True),
-                        "exp_avg_sq": by_name[f"opt/exp_avg_sq/{name}"].to(q.device, copy=True),
-                        "step": by_name[f"opt/step/{name}"].reshape(()).clone().float(),
-                    }
+                        key: (value.reshape(()).clone().float() if key == "step" else value.to(q.device, copy=True))
+                        for key, value in st.items()}
                 else:
                     self.optimizer.state.pop(q, None)
                 if not keep_grads:

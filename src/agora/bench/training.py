@@ -1,0 +1,150 @@
+"""``agora bench training``: AdamW, Muon and NuMuon at equal tokens on the centralized model, and what their weights
+and pseudo-gradients look like to a compressor; online curvature at a spiking learning rate.
+
+Every run is ``train-local`` on the same manifest, data order and steps, so tokens are equal by construction; only
+``optimizer.name`` (and, in the curvature section, ``optimizer.lr``) changes. Measured per run: validation loss;
+the stable rank ``||W||_F^2 / ||W||_2^2`` of every block matrix (mean); the validation loss after truncating every
+block matrix to a quarter of its rank; and the relative residual of the best rank-4 approximation of each block
+matrix's pseudo-gradient over the last ``pseudo_steps`` steps (what PowerSGD's error feedback would carry: the
+best rank-4 fit is PowerSGD's fixed point, so this is a lower bound on its residual).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from agora.bench.common import markdown_table, write_result
+from agora.config import Manifest, load_manifest
+from agora.data import build_datasets
+from agora.lab.train_local import evaluate, train_model
+from agora.optim import is_block_matrix
+
+OPTIMIZERS = ("adamw", "muon", "numuon")
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    preset: str = "small"
+    steps: int = 60
+    seeds: tuple[int, ...] = (0, 1)
+    optimizers: tuple[str, ...] = OPTIMIZERS
+    numuon_rank: float = 0.25
+    truncate_rank: float = 0.25
+    pseudo_steps: int = 10
+    val_batches: int = 8
+    overrides: dict = field(default_factory=dict)
+
+
+def _block_matrices(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if is_block_matrix(n, p)]
+
+
+def stable_rank(w: torch.Tensor) -> float:
+    s = torch.linalg.svdvals(w.detach().float())
+    return float((s ** 2).sum() / s[0] ** 2) if s[0] > 0 else 0.0
+
+
+def rank_residual(delta: torch.Tensor, rank: int) -> tuple[float, float]:
+    """(squared residual, squared norm) of the best rank-``rank`` approximation of ``delta``."""
+    s = torch.linalg.svdvals(delta.detach().double())
+    return float((s[rank:] ** 2).sum()), float((s ** 2).sum())
+
+
+@torch.no_grad()
+def truncated_loss(model: torch.nn.Module, val: list, fraction: float) -> float:
+    """Validation loss with every block matrix replaced by its rank-``ceil(fraction * min side)`` SVD truncation
+    (the model is restored afterwards)."""
+    saved = []
+    for _, p in _block_matrices(model):
+        saved.append(p.detach().clone())
+        u, s, vh = torch.linalg.svd(p.float(), full_matrices=False)
+        k = max(1, math.ceil(fraction * min(p.shape)))
+        p.copy_((u[:, :k] * s[:k]) @ vh[:k])
+    loss = evaluate(model, val)
+    for (_, p), w in zip(_block_matrices(model), saved):
+        p.copy_(w)
+    return loss
+
+
+def run_optimizer(base: Manifest, name: str, seed: int, opts: TrainingOptions) -> dict:
+    overrides = {"optimizer.name": name, "optimizer.total_steps": opts.steps, "seed": seed, **opts.overrides}
+    if name == "numuon":
+        overrides["optimizer.muon.rank"] = opts.numuon_rank
+    m = base.with_overrides(**overrides)
+    snapshot: dict[str, torch.Tensor] = {}
+
+    def after_step(model, _opt, step: int) -> None:
+        if step == opts.steps - 1 - opts.pseudo_steps:
+            snapshot.update({n: p.detach().clone() for n, p in _block_matrices(model)})
+
+    t0 = time.perf_counter()
+    summary, model = train_model(m, opts.steps, val_batches=opts.val_batches, after_step=after_step)
+    _, val, _ = build_datasets(m)
+    val_set = val.fixed_batches(m.batch.microbatch_size, opts.val_batches)
+    matrices = _block_matrices(model)
+    residual = norm = 0.0
+    if snapshot:
+        for n, p in matrices:
+            r, t = rank_residual(p.detach() - snapshot[n], 4)
+            residual, norm = residual + r, norm + t
+    truncated = truncated_loss(model, val_set, opts.truncate_rank)
+    return {
+        "optimizer": name, "seed": seed, "steps": opts.steps, "tokens": summary["tokens"],
+        "val_loss": summary["val_loss"], "train_loss_last": summary["train_loss"][-1],
+        "stable_rank_mean": statistics.fmean(stable_rank(p) for _, p in matrices),
+        "truncated_val_loss": truncated, "truncation_increase": truncated - summary["val_loss"],
+        "pseudo_gradient_rank4_residual": math.sqrt(residual / norm) if norm > 0 else None,
+        "wall_s": time.perf_counter() - t0, "train_wall_s": summary["wall_s"], "cpu_s": summary["cpu_s"],
+    }
+
+
+def _median_spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str], None] = print) -> dict:
+    opts = options or TrainingOptions()
+    base = load_manifest(opts.preset)
+    runs = []
+    for seed in opts.seeds:
+        for name in opts.optimizers:
+            r = run_optimizer(base, name, seed, opts)
+            runs.append(r)
+            log(f"{name} seed {seed}: val {r['val_loss']:.4f}, stable rank {r['stable_rank_mean']:.2f}, truncated "
+                f"+{r['truncation_increase']:.4f}, rank-4 residual {r['pseudo_gradient_rank4_residual']:.3f} "
+                f"({r['wall_s']:.0f}s)")
+    rows, table = {}, []
+    for name in opts.optimizers:
+        mine = [r for r in runs if r["optimizer"] == name]
+        rows[name] = {k: _median_spread([r[k] for r in mine]) for k in
+                      ("val_loss", "stable_rank_mean", "truncation_increase", "pseudo_gradient_rank4_residual",
+                       "train_wall_s")}
+    ref = rows.get("muon")
+    for name, row in rows.items():
+        vs_muon = (row["val_loss"]["median"] / ref["val_loss"]["median"]) if ref else None
+        table.append([name, _fmt(row["val_loss"]), f"{vs_muon:.4f}" if vs_muon else "-",
+                      _fmt(row["stable_rank_mean"], ".2f"), _fmt(row["truncation_increase"]),
+                      _fmt(row["pseudo_gradient_rank4_residual"], ".3f"), _fmt(row["train_wall_s"], ".0f")])
+    tokens = runs[0]["tokens"] if runs else 0
+    md = (f"`{opts.preset}`, {opts.steps} steps ({tokens:,} tokens, equal for every row), seeds "
+          f"{list(opts.seeds)}; median (min-max). NuMuon rank fraction {opts.numuon_rank}; truncation keeps "
+          f"{opts.truncate_rank:.0%} of each block matrix's rank; the residual is that of the best rank-4 fit of the "
+          f"last {opts.pseudo_steps} steps' pseudo-gradient, over all block matrices.\n\n"
+          + markdown_table(["optimizer", "val loss", "vs muon", "stable rank", "loss increase after truncation",
+                            "rank-4 residual", "train s"], table))
+    result = {"options": {**asdict(opts), "seeds": list(opts.seeds), "optimizers": list(opts.optimizers)},
+              "rows": rows, "runs": runs}
+    write_result(out, "training", result, md)
+    log(md)
+    return result
+
+
+def _fmt(s: dict, f: str = ".4f") -> str:
+    return f"{s['median']:{f}} ({s['min']:{f}}-{s['max']:{f}})"
