@@ -317,6 +317,39 @@ def bench_gossip(
         log=console.print)
 
 
+@bench_app.command("training")
+def bench_training(
+    out: Path = typer.Option(Path("bench-out/training")),
+    preset: str = typer.Option("small", help="tiny, small, medium or a manifest path"),
+    steps: int = typer.Option(40, min=2, help="optimizer steps per run (equal tokens for every row)"),
+    seeds: str = typer.Option("0,1", help="comma-separated seeds"),
+    optimizers: str = typer.Option("adamw,muon,numuon", help="comma-separated subset of adamw, muon, numuon"),
+    numuon_rank: float = typer.Option(0.25, min=0.0, max=1.0, help="NuMuon's rank fraction"),
+    spike_lr: str = typer.Option("10", help="curvature section: comma-separated multiples of the preset's lr"),
+    curvature_every: int = typer.Option(10, min=1), curvature_hvps: int = typer.Option(3, min=1, max=5),
+    sections: str = typer.Option("optimizers,curvature", help="comma-separated subset"),
+) -> None:
+    """AdamW vs Muon vs NuMuon at equal tokens (validation loss, stable rank, loss after rank-25% truncation,
+    rank-4 residual of the pseudo-gradient), and online curvature at a spiking learning rate."""
+    from agora.bench.training import OPTIMIZERS, TrainingOptions, run
+
+    _manifest(preset)  # a clear error for a bad preset or manifest path
+    try:
+        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+        chosen = tuple(x.strip() for x in optimizers.split(",") if x.strip())
+        factors = tuple(float(x) for x in spike_lr.split(",") if x.strip())
+        parts = tuple(x.strip() for x in sections.split(",") if x.strip())
+        bad = [x for x in chosen if x not in OPTIMIZERS] + [x for x in parts if x not in ("optimizers", "curvature")]
+        if bad or not seed_list or not chosen or not 0 < numuon_rank:
+            raise ValueError(f"unknown {bad}" if bad else "give at least one seed and optimizer, and a rank > 0")
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2)
+    run(out, TrainingOptions(preset=preset, steps=steps, seeds=seed_list, optimizers=chosen,
+                             numuon_rank=numuon_rank, spike_lr_factors=factors, curvature_every=curvature_every,
+                             curvature_hvps=curvature_hvps, sections=parts), log=console.print)
+
+
 @bench_app.command("upm")
 def bench_upm(
     out: Path = typer.Option(Path("bench-out/upm")),

@@ -40,6 +40,12 @@ class TrainingOptions:
     pseudo_steps: int = 10
     val_batches: int = 8
     overrides: dict = field(default_factory=dict)
+    # curvature section: AdamW at the preset's learning rate and at these multiples of it, tracker every N steps
+    spike_lr_factors: tuple[float, ...] = (10.0,)
+    curvature_every: int = 10
+    curvature_hvps: int = 3
+    curvature_sequences: int = 2  # of the measurement microbatch (a Hessian-vector product costs ~2 backwards)
+    sections: tuple[str, ...] = ("optimizers", "curvature")
 
 
 def _block_matrices(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -105,6 +111,52 @@ def run_optimizer(base: Manifest, name: str, seed: int, opts: TrainingOptions) -
     }
 
 
+def count_spikes(losses: list[float], rise: float = 0.1, window: int = 5) -> int:
+    """Steps whose training loss exceeds the lowest of the previous ``window`` steps by more than ``rise`` (10%):
+    a loss that jumps back up instead of falling."""
+    return sum(1 for t in range(window, len(losses)) if losses[t] > (1 + rise) * min(losses[t - window:t]))
+
+
+def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOptions) -> dict:
+    """AdamW at ``factor`` x the preset's learning rate, the whole model's curvature tracked every N steps on one
+    fixed training microbatch, with the optimizer's own second moments (agora.optim.curvature)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from agora.optim import lr_at
+    from agora.optim.curvature import CurvatureTracker, alarm_threshold
+
+    m = base.with_overrides(**{"optimizer.name": "adamw", "optimizer.total_steps": opts.steps, "seed": seed,
+                               "optimizer.lr": base.optimizer.lr * factor, **opts.overrides})
+    train, _, _ = build_datasets(m)
+    sample = next(train.batches(m.batch.microbatch_size, seed=seed + 1))[:opts.curvature_sequences]
+    beta1, beta2 = m.optimizer.betas
+    state: dict = {"tracker": None, "values": [], "alarms": 0, "seconds": 0.0}
+
+    def after_step(model, opt, step: int) -> None:
+        if (step + 1) % opts.curvature_every:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        if state["tracker"] is None:
+            state["tracker"] = CurvatureTracker(params, hvps=opts.curvature_hvps, seed=seed)
+        tracker = state["tracker"]
+        moments = [opt.state.get(p, {}).get("exp_avg_sq") for p in params]
+        steps = int(opt.state[params[0]]["step"])
+        with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
+            value = tracker.measure(lambda: model.loss(sample[:, :-1], sample[:, 1:]), moments, beta2, steps)
+        state["seconds"] += tracker.last_seconds
+        lr = lr_at(m.optimizer, step + 1)
+        state["values"].append({"step": step + 1, "lambda": value, "lr_x_lambda": lr * value})
+        state["alarms"] += int(tracker.alarm(lr, beta1))
+
+    summary, _ = train_model(m, opts.steps, val_batches=opts.val_batches, after_step=after_step)
+    train_s = summary["wall_s"] - state["seconds"]
+    return {"lr": m.optimizer.lr, "factor": factor, "seed": seed, "val_loss": summary["val_loss"],
+            "spikes": count_spikes(summary["train_loss"]), "alarms": state["alarms"],
+            "threshold": alarm_threshold(beta1), "curvature": state["values"], "train_loss": summary["train_loss"],
+            "tracker_s": state["seconds"], "train_s": train_s,
+            "tracker_share": state["seconds"] / max(train_s, 1e-9)}
+
+
 def _median_spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
@@ -113,7 +165,7 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
     opts = options or TrainingOptions()
     base = load_manifest(opts.preset)
     runs = []
-    for seed in opts.seeds:
+    for seed in opts.seeds if "optimizers" in opts.sections else ():
         for name in opts.optimizers:
             r = run_optimizer(base, name, seed, opts)
             runs.append(r)
@@ -123,6 +175,8 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
     rows, table = {}, []
     for name in opts.optimizers:
         mine = [r for r in runs if r["optimizer"] == name]
+        if not mine:
+            continue
         rows[name] = {k: _median_spread([r[k] for r in mine]) for k in
                       ("val_loss", "stable_rank_mean", "truncation_increase", "pseudo_gradient_rank4_residual",
                        "train_wall_s")}
@@ -133,14 +187,38 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                       _fmt(row["stable_rank_mean"], ".2f"), _fmt(row["truncation_increase"]),
                       _fmt(row["pseudo_gradient_rank4_residual"], ".3f"), _fmt(row["train_wall_s"], ".0f")])
     tokens = runs[0]["tokens"] if runs else 0
+    curvature_runs = []
+    for seed in opts.seeds if "curvature" in opts.sections else ():
+        for factor in (1.0, *opts.spike_lr_factors):
+            r = run_curvature(base, factor, seed, opts)
+            curvature_runs.append(r)
+            log(f"adamw lr {r['lr']:.3g} seed {seed}: val {r['val_loss']:.4f}, spikes {r['spikes']}, alarms "
+                f"{r['alarms']}, lambda {[round(v['lambda'], 1) for v in r['curvature']]}, tracker "
+                f"{100 * r['tracker_share']:.1f}% of training time")
+    curvature_table = []
+    for factor in (1.0, *opts.spike_lr_factors):
+        mine = [r for r in curvature_runs if r["factor"] == factor]
+        if not mine:
+            continue
+        lams = [v["lr_x_lambda"] for r in mine for v in r["curvature"] if math.isfinite(v["lr_x_lambda"])]
+        curvature_table.append([f"{mine[0]['lr']:.3g}", _fmt(_median_spread([r["val_loss"] for r in mine])),
+                                sum(r["spikes"] for r in mine), sum(r["alarms"] for r in mine),
+                                f"{max(lams):.1f}" if lams else "-", f"{mine[0]['threshold']:.0f}",
+                                _fmt(_median_spread([100 * r["tracker_share"] for r in mine]), ".1f")])
     md = (f"`{opts.preset}`, {opts.steps} steps ({tokens:,} tokens, equal for every row), seeds "
           f"{list(opts.seeds)}; median (min-max). NuMuon rank fraction {opts.numuon_rank}; truncation keeps "
           f"{opts.truncate_rank:.0%} of each block matrix's rank; the residual is that of the best rank-4 fit of the "
           f"last {opts.pseudo_steps} steps' pseudo-gradient, over all block matrices.\n\n"
           + markdown_table(["optimizer", "val loss", "vs muon", "stable rank", "loss increase after truncation",
-                            "rank-4 residual", "train s"], table))
+                            "rank-4 residual", "train s"], table)) if table else ""
+    if curvature_table:
+        md += (f"\n\nCurvature (AdamW, whole model, {opts.curvature_hvps} warm-started HVPs every "
+               f"{opts.curvature_every} steps on {opts.curvature_sequences} fixed training sequences; spikes: steps whose training loss rose >10% "
+               f"above the lowest of the previous 5; totals over seeds {list(opts.seeds)}):\n\n"
+               + markdown_table(["lr", "val loss", "spikes", "alarms", "max lr x lambda", "threshold",
+                                 "tracker % of training time"], curvature_table))
     result = {"options": {**asdict(opts), "seeds": list(opts.seeds), "optimizers": list(opts.optimizers)},
-              "rows": rows, "runs": runs}
+              "rows": rows, "runs": runs, "curvature_runs": curvature_runs}
     write_result(out, "training", result, md)
     log(md)
     return result
