@@ -323,3 +323,19 @@ def test_sparse_rounds_with_muon_average_its_momentum_and_the_swarm_learns():
     assert losses[1] < losses[0] - 0.5, losses
     assert all(h.sync.resyncs == 0 and h.sync.rounds_failed == 0 for h in heads)
     assert sum(h.sync.rounds_ok for h in heads) >= 2, [h.sync.rounds_ok for h in heads]
+
+
+def test_replicas_grow_blocks_mid_run_in_agreement():
+    """Architecture warm-up in a swarm: blocks join at the same steps on both replicas of the head (zeroed output
+    projections, fresh optimizer state), which stay bit-identical through it and learn."""
+    man = BASE.with_overrides(**{"optimizer.total_steps": 10, "training.warmup_depth": {"until": 0.3}})
+    depths = []
+
+    async def check(heads, step):
+        await _identical(heads, step)
+        depths.append([h.runtime.stage.active_depth for h in heads])
+
+    losses, heads = asyncio.run(_train(man, steps=3, check_each_step=check))
+    assert depths == [[2, 2], [3, 3], [4, 4]], depths  # tiny: a block joins after each of the first 3 steps
+    assert all(h.sync.resyncs == 0 for h in heads)
+    assert losses[1] < losses[0] - 0.3, losses

@@ -352,6 +352,8 @@ class Stage(nn.Module):
         # UPM (agora.frames): the map from this stage's frame into the next stage's, float64, k x k (subspace) or
         # d x d (dense). None: no frames, the identity.
         self.register_buffer("boundary_map", None)
+        # Architecture warm-up: blocks with a global index >= active_depth are bypassed (x passes through).
+        self.active_depth = active_depth(manifest, 0)
         self.reset_parameters(manifest.seed)
 
     # ------------------------------------------------------------------ init
@@ -391,9 +393,29 @@ class Stage(nn.Module):
         if t > self.shape.seq_len:
             raise ValueError(f"sequence length {t} exceeds the manifest's seq_len {self.shape.seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        for block in self.layers.values():
-            x = block(x, cos, sin, self.basis if block.subspace else None)
+        for name, block in self.layers.items():
+            if int(name) < self.active_depth:
+                x = block(x, cos, sin, self.basis if block.subspace else None)
         return self._to_next_frame(x)
+
+    # ------------------------------------------------------------------ architecture warm-up
+    @torch.no_grad()
+    def grow_to(self, depth: int) -> list[str]:
+        """Activate every block below global index ``depth``; a block that joins gets zeroed output projections, so
+        it adds nothing to the residual stream and the stage computes the same function (in subspace mode its
+        write stays zero, so the residual stays in the subspace). Returns the blocks that joined."""
+        joined = [name for name in self.layers if self.active_depth <= int(name) < depth]
+        for name in joined:
+            block = self.layers[name]
+            block.self_attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+        self.active_depth = max(self.active_depth, depth)
+        return joined
+
+    def inactive_parameters(self) -> list[nn.Parameter]:
+        """Parameters of bypassed blocks: frozen, and kept out of the optimizer (no gradient, no decay)."""
+        return [p for name, block in self.layers.items() if int(name) >= self.active_depth
+                for p in block.parameters()]
 
     def _to_next_frame(self, x: Tensor) -> Tensor:
         """x Q(M): the residual stream in the next stage's frame (UPM). In subspace runs F U = 0, so only the k
@@ -424,7 +446,8 @@ class Stage(nn.Module):
         x = self.embed(x_or_tokens) if self.spec.is_head else x_or_tokens
         cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
         for name, block in self.layers.items():
-            x = block(x, cos, sin, self.basis if block.subspace else None, cache.layer(name))
+            if int(name) < self.active_depth:
+                x = block(x, cos, sin, self.basis if block.subspace else None, cache.layer(name))
         cache.advance(t)
         return self._to_next_frame(x)
 
@@ -436,6 +459,18 @@ class Stage(nn.Module):
     def loss(self, x: Tensor, targets: Tensor) -> Tensor:
         logits = self.logits(x)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def active_depth(manifest: Manifest, step: int) -> int:
+    """Blocks active (global index below it) after ``step`` optimizer steps: ``model.n_layers`` without
+    ``training.warmup_depth``; with it, ``start_depth`` at step 0, one more block at a time, all of them from
+    ``until * optimizer.total_steps`` on."""
+    n = manifest.model.n_layers
+    warm = manifest.training.warmup_depth
+    if warm is None:
+        return n
+    full_at = warm.until * manifest.optimizer.total_steps
+    return min(n, warm.start_depth + math.floor(step * (n - warm.start_depth) / full_at))
 
 
 def tied_parameter(stage: Stage) -> Optional[nn.Parameter]:
@@ -479,6 +514,11 @@ class PipelineModel(nn.Module):
         for stage in self.stages:
             x = stage(x)
         return self.stages[-1].loss(x, targets)
+
+    def grow_for_step(self, step: int) -> list[str]:
+        """Architecture warm-up: activate the blocks due after ``step`` optimizer steps (``Stage.grow_to``)."""
+        depth = active_depth(self.manifest, step)
+        return [name for stage in self.stages for name in stage.grow_to(depth)]
 
 
 # --------------------------------------------------------------------------- size accounting

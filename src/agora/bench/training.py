@@ -45,6 +45,7 @@ class TrainingOptions:
     curvature_every: int = 10
     curvature_hvps: int = 3
     curvature_sequences: int = 2  # of the measurement microbatch (a Hessian-vector product costs ~2 backwards)
+    warmup_until: float = 0.3  # architecture warm-up rows (spiking lr): every block active at this share of steps
     sections: tuple[str, ...] = ("optimizers", "curvature")
 
 
@@ -117,9 +118,10 @@ def count_spikes(losses: list[float], rise: float = 0.1, window: int = 5) -> int
     return sum(1 for t in range(window, len(losses)) if losses[t] > (1 + rise) * min(losses[t - window:t]))
 
 
-def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOptions) -> dict:
-    """AdamW at ``factor`` x the preset's learning rate, the whole model's curvature tracked every N steps on one
-    fixed training microbatch, with the optimizer's own second moments (agora.optim.curvature)."""
+def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOptions, warmup: bool = False) -> dict:
+    """AdamW at ``factor`` x the preset's learning rate (with architecture warm-up: ``training.warmup_depth``), the
+    whole model's curvature tracked every N steps on a few fixed training sequences, with the optimizer's own
+    second moments (agora.optim.curvature)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from agora.optim import lr_at
@@ -127,6 +129,8 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
 
     m = base.with_overrides(**{"optimizer.name": "adamw", "optimizer.total_steps": opts.steps, "seed": seed,
                                "optimizer.lr": base.optimizer.lr * factor, **opts.overrides})
+    if warmup:
+        m = m.with_overrides(**{"training.warmup_depth": {"until": opts.warmup_until}})
     train, _, _ = build_datasets(m)
     sample = next(train.batches(m.batch.microbatch_size, seed=seed + 1))[:opts.curvature_sequences]
     beta1, beta2 = m.optimizer.betas
@@ -150,7 +154,7 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
 
     summary, _ = train_model(m, opts.steps, val_batches=opts.val_batches, after_step=after_step)
     train_s = summary["wall_s"] - state["seconds"]
-    return {"lr": m.optimizer.lr, "factor": factor, "seed": seed, "val_loss": summary["val_loss"],
+    return {"lr": m.optimizer.lr, "factor": factor, "warmup": warmup, "seed": seed, "val_loss": summary["val_loss"],
             "spikes": count_spikes(summary["train_loss"]), "alarms": state["alarms"],
             "threshold": alarm_threshold(beta1), "curvature": state["values"], "train_loss": summary["train_loss"],
             "tracker_s": state["seconds"], "train_s": train_s,
@@ -188,20 +192,22 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                       _fmt(row["pseudo_gradient_rank4_residual"], ".3f"), _fmt(row["train_wall_s"], ".0f")])
     tokens = runs[0]["tokens"] if runs else 0
     curvature_runs = []
+    variants = [(1.0, False)] + [(f, w) for f in opts.spike_lr_factors for w in (False, True)]
     for seed in opts.seeds if "curvature" in opts.sections else ():
-        for factor in (1.0, *opts.spike_lr_factors):
-            r = run_curvature(base, factor, seed, opts)
+        for factor, warmup in variants:
+            r = run_curvature(base, factor, seed, opts, warmup)
             curvature_runs.append(r)
-            log(f"adamw lr {r['lr']:.3g} seed {seed}: val {r['val_loss']:.4f}, spikes {r['spikes']}, alarms "
+            log(f"adamw lr {r['lr']:.3g}{' warm-up' if warmup else ''} seed {seed}: val {r['val_loss']:.4f}, spikes {r['spikes']}, alarms "
                 f"{r['alarms']}, lambda {[round(v['lambda'], 1) for v in r['curvature']]}, tracker "
                 f"{100 * r['tracker_share']:.1f}% of training time")
     curvature_table = []
-    for factor in (1.0, *opts.spike_lr_factors):
-        mine = [r for r in curvature_runs if r["factor"] == factor]
+    for factor, warmup in variants:
+        mine = [r for r in curvature_runs if r["factor"] == factor and r["warmup"] == warmup]
         if not mine:
             continue
         lams = [v["lr_x_lambda"] for r in mine for v in r["curvature"] if math.isfinite(v["lr_x_lambda"])]
-        curvature_table.append([f"{mine[0]['lr']:.3g}", _fmt(_median_spread([r["val_loss"] for r in mine])),
+        curvature_table.append([f"{mine[0]['lr']:.3g}",
+                                f"until {opts.warmup_until:g} of the steps" if warmup else "no", _fmt(_median_spread([r["val_loss"] for r in mine])),
                                 sum(r["spikes"] for r in mine), sum(r["alarms"] for r in mine),
                                 f"{max(lams):.1f}" if lams else "-", f"{mine[0]['threshold']:.0f}",
                                 _fmt(_median_spread([100 * r["tracker_share"] for r in mine]), ".1f")])
@@ -215,7 +221,7 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
         md += (f"\n\nCurvature (AdamW, whole model, {opts.curvature_hvps} warm-started HVPs every "
                f"{opts.curvature_every} steps on {opts.curvature_sequences} fixed training sequences; spikes: steps whose training loss rose >10% "
                f"above the lowest of the previous 5; totals over seeds {list(opts.seeds)}):\n\n"
-               + markdown_table(["lr", "val loss", "spikes", "alarms", "max lr x lambda", "threshold",
+               + markdown_table(["lr", "architecture warm-up", "val loss", "spikes", "alarms", "max lr x lambda", "threshold",
                                  "tracker % of training time"], curvature_table))
     result = {"options": {**asdict(opts), "seeds": list(opts.seeds), "optimizers": list(opts.optimizers)},
               "rows": rows, "runs": runs, "curvature_runs": curvature_runs}

@@ -262,6 +262,23 @@ class AveragingConfig(_Strict):
         return self
 
 
+class DepthWarmupConfig(_Strict):
+    """Architecture warm-up (METHODS section 10): training starts with the first ``start_depth`` blocks; the others
+    are bypassed, frozen and out of the optimizer, and join one at a time in depth order, each with zeroed output
+    projections (so the network's function does not change when it joins), until every block is active at
+    ``until`` x ``optimizer.total_steps``. ``mode: steps`` is the only schedule built (docs/OPTIMIZERS.md)."""
+
+    until: float = Field(default=0.3, gt=0, le=1, description="fraction of total_steps when every block is active")
+    mode: Literal["steps"] = "steps"
+    start_depth: int = Field(default=1, ge=1, description="blocks active from step 0")
+
+
+class TrainingConfig(_Strict):
+    """How the model trains beyond its optimizer: ``warmup_depth`` grows the network during training."""
+
+    warmup_depth: Optional[DepthWarmupConfig] = None
+
+
 class Manifest(_Strict):
     run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     seed: int = Field(default=0, ge=0, lt=2**63, description="every random draw of the run derives from it")
@@ -273,6 +290,7 @@ class Manifest(_Strict):
     data: DataConfig = DataConfig()
     security: SecurityConfig = SecurityConfig()
     averaging: AveragingConfig = AveragingConfig()
+    training: TrainingConfig = TrainingConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -298,6 +316,10 @@ class Manifest(_Strict):
             if self.model.tie_embeddings:
                 raise ValueError("model.tie_embeddings needs residual.mode: dense (a subspace head embeds into k "
                                  "coordinates, the LM head reads d_model: there is no one matrix to share)")
+        warm = self.training.warmup_depth
+        if warm is not None and warm.start_depth >= self.model.n_layers:
+            raise ValueError(f"training.warmup_depth.start_depth ({warm.start_depth}) must be below model.n_layers "
+                             f"({self.model.n_layers}): with every block active from the start there is no warm-up")
         return self
 
     # ------------------------------------------------------------------ derived facts
@@ -321,6 +343,8 @@ class Manifest(_Strict):
                 del data["averaging"]["outer_lr"], data["averaging"]["outer_momentum"]
             if self.averaging.scheme != "gossip":
                 del data["averaging"]["q"]
+        if self.training == TrainingConfig():
+            del data["training"]  # the section came later: manifests without it keep their hash
         if self.optimizer.name not in ("muon", "numuon"):
             del data["optimizer"]["muon"]  # the section came later and is unread here: hashes stay
         if self.security.state_access == StateAccessConfig():

@@ -79,6 +79,7 @@ def train_model(
     for step in range(steps):
         lr = set_lr(opt, manifest.optimizer, step)
         total = _train_step(model, opt, batches, accum, manifest.optimizer.grad_clip)
+        model.grow_for_step(step + 1)  # architecture warm-up (training.warmup_depth): blocks due now join
         if after_step is not None:
             after_step(model, opt, step)
         tokens += tokens_per_step

@@ -7,7 +7,8 @@ Kinds emitted today (arguments in order):
 * ``"sync"``: the new ``ReplicaSync`` -- the node joined a stage (start, or a stage move);
 * ``"outer_round_start"``: step, the parameters the optimizer steps -- on the compute thread when a DiLoCo outer
   round begins (the end of the inner phase; clone what you keep: the round overwrites them);
-* ``"outer_round"``: averaged (False: stepped alone), seconds, group size -- after every DiLoCo outer round.
+* ``"outer_round"``: averaged (False: stepped alone), seconds, group size -- after every DiLoCo outer round;
+* ``"blocks_joined"``: stage index, step, block names -- architecture warm-up activated these blocks after a step.
 
 Observers run synchronously in the emitting thread and must be cheap (Prometheus histograms are). A node without
 observers pays one dict lookup per event.

@@ -13,6 +13,7 @@ import random
 import time
 from typing import Any, Optional
 
+from agora.model import active_depth
 from agora.net.records import PeerState, announce, read_subkeys, read_swarm
 from agora.net.routing import Move, plan_rebalance
 
@@ -35,6 +36,7 @@ class Rebalancer:
     def __init__(self, node: Any):
         self.node = node
         self.lock_claimed = False
+        self.waiting_for_depth = False
 
     async def run(self) -> None:
         node = self.node
@@ -55,6 +57,16 @@ class Rebalancer:
     async def maybe_move(self) -> Optional[Move]:
         """Move to another stage if the swarm-wide plan names this peer as the mover; returns the move made."""
         node, m = self.node, self.node.manifest
+        if active_depth(m, node.step) < m.model.n_layers:
+            # Architecture warm-up: a stage's cost grows as its blocks join, so a move planned on today's costs is
+            # undone when the next stage's blocks join (two state downloads for nothing). Routing follows the
+            # measured throughput meanwhile; stages rebalance once the network is whole.
+            if not self.waiting_for_depth:
+                logger.info(f"rebalancing waits for the architecture warm-up to end (depth "
+                            f"{active_depth(m, node.step)} of {m.model.n_layers} blocks at step {node.step})")
+            self.waiting_for_depth = True
+            return None
+        self.waiting_for_depth = False
         swarm = await node.run_io(read_swarm, node.dht, m.run_id, m.n_stages, m.hash)
         plan = plan_rebalance(swarm, node.opts.min_move_gain)
         if plan is None or plan[0] != node.peer_id or plan[1].from_stage != node.stage_index:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from agora.config import Manifest
-from agora.model import KVCache, Stage, tied_parameter
+from agora.model import KVCache, Stage, active_depth, tied_parameter
 from agora.frames import FRAME_MAP, check_frame_map
 from agora.net.transport import RpcError
 from agora.optim import build_optimizer, set_lr
@@ -368,8 +368,13 @@ class StageRuntime:
         if pending.coords is not None or (self.is_head and self.options.backward == "recompute"):
             # recompute: the forward again, on the snapshot it first ran on, now keeping its graph. Same function,
             # same input, same weights: the same output and gradients as a stashed graph.
-            with torch.enable_grad(), self._autocast():
-                pending.leaf, pending.out = self.forward_from(pending.coords, pending.tokens, pending.weights)
+            depth_now = self.stage.active_depth  # the forward ran at its step's depth (architecture warm-up)
+            self.stage.active_depth = active_depth(self.manifest, pending.step)
+            try:
+                with torch.enable_grad(), self._autocast():
+                    pending.leaf, pending.out = self.forward_from(pending.coords, pending.tokens, pending.weights)
+            finally:
+                self.stage.active_depth = depth_now
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
         sent.backward(self._in(grad_out).to(sent.dtype))
@@ -500,19 +505,21 @@ class StageRuntime:
         params = [p for p in self.stage.parameters()]
         kept = [p.grad for p in params]
         stepped = [self._master(p) for p in params]  # what the optimizer steps (host copies when offloading)
-        for q, g in zip(stepped, grads):
-            q.grad = g.to(q.device, q.dtype)
+        frozen = {id(p) for p in self.stage.inactive_parameters()}  # bypassed blocks (architecture warm-up)
+        for p, q, g in zip(params, stepped, grads):
+            q.grad = None if id(p) in frozen else g.to(q.device, q.dtype)
         clip = self.manifest.optimizer.grad_clip
         tied = tied_parameter(self.stage)
         tied = self._master(tied) if tied is not None else None
         if clip_scale is not None:  # every stage of the step scales by the same global factor
             if clip_scale < 1.0:
                 for q in stepped:
-                    q.grad.mul_(clip_scale)
+                    if q.grad is not None:
+                        q.grad.mul_(clip_scale)
         else:
             # A tied embedding's copy is clipped by its own norm: the other end, holding another stage, must scale
             # the same summed gradient by the same factor for the two copies to stay equal.
-            torch.nn.utils.clip_grad_norm_([q for q in stepped if q is not tied], clip)
+            torch.nn.utils.clip_grad_norm_([q for q in stepped if q is not tied and q.grad is not None], clip)
             if tied is not None:
                 torch.nn.utils.clip_grad_norm_([tied], clip)
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
@@ -526,10 +533,25 @@ class StageRuntime:
             p.grad = g
         self.version += 1
         self.step += 1
+        self._grow()
         if self.curvature is not None:
             self.curvature.after_step(self.step, self.counters.busy_s)
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _grow(self) -> None:
+        """Architecture warm-up: blocks due at this step join, with zeroed output projections (``Stage.grow_to``)
+        and no optimizer state (they never had a gradient: their moments start at zero)."""
+        joined = self.stage.grow_to(active_depth(self.manifest, self.step))
+        if joined:
+            for name in joined:
+                for p in self.stage.layers[name].parameters():
+                    q = self._master(p)
+                    if q is not p:
+                        with torch.no_grad():
+                            q.copy_(p)
+                    self.optimizer.state.pop(q, None)
+            self.observers.emit("blocks_joined", self.stage_index, self.step, joined)
 
     def export_state(self) -> tuple[int, list[str], list[torch.Tensor]]:
         """Parameters and optimizer moments, as a flat named list (also the checkpoint format)."""
@@ -588,6 +610,8 @@ class StageRuntime:
         self.sync_state = {n: t.clone() for n, t in by_name.items() if n.startswith(SYNC_PREFIX)}
         self.version += 1
         self.step = int(step)
+        # The imported weights already hold every zeroed block that joined before ``step``: only the depth follows.
+        self.stage.active_depth = active_depth(self.manifest, self.step)
         if not keep_grads:
             self.samples = 0
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
