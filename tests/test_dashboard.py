@@ -125,7 +125,8 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
     manifest_path = tmp_path / "manifest.yaml"
     manifest_path.write_text(man.to_yaml())
     authority.sign(manifest_path)
-    swarm = Swarm(manifest_path, tmp_path / "swarm", authority=authority)
+    # Nodes measure their curvature every step: the cards show lr x lambda against the threshold.
+    swarm = Swarm(manifest_path, tmp_path / "swarm", authority=authority, extra_node_args=["--curvature-every", "1"])
     dash: Child | None = None
     # The bootstrap DHT lives in this process (one interpreter fewer to start on a busy machine); nodes, trainer and
     # dashboard are real processes, each in its own session, started together.
@@ -162,6 +163,8 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
                 assert card["data-stage"] == str(stage["stage"])
                 assert re.fullmatch(r"\d+", card["data-step"]), card
                 assert card["data-state"] in ("joining", "syncing", "serving", "leaving")
+        curvature = [a for _, a in elements if "data-curvature" in a]
+        assert len(curvature) == sum(len(st["peers"]) for st in data["stages"]), dom[-3000:]
         assert sum(a.get("data-bottleneck") == "true" for a in stage_cols.values()) <= 1
         assert any("data-trainer" in a for _, a in elements)
         assert any(tag == "path" for tag, _ in elements)  # the charts drew their lines

@@ -156,7 +156,8 @@ def test_demo_end_to_end(tmp_path):
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "agora.cli", "demo", "--stages", "2", "--replicas", "2", "--preset", "tiny",
-             "--steps", "3", "--out", str(out), "--no-live", "--timeout", "400", "--compare-local"],
+             "--steps", "3", "--out", str(out), "--no-live", "--timeout", "400", "--compare-local",
+             "--curvature-every", "1"],
             capture_output=True, text=True, timeout=500,
         )
     finally:
@@ -187,3 +188,8 @@ def test_demo_end_to_end(tmp_path):
     assert 0.8 < central["ratio"] < 1.2 and central["swarm_val_loss"] == summary["val_loss"], central
     assert "centralized" in proc.stdout + proc.stderr
     assert (out / "report.html").exists() and "data:image/png;base64" in (out / "report.html").read_text()
+    # --curvature-every 1: every stage measured its curvature; the report plots it per stage.
+    curvature = summary["curvature_per_stage"]
+    assert sorted(curvature) == ["0", "1"] and all(c["lr_times_value"] is not None for c in curvature.values())
+    assert all(n["curvature"]["measurements"] >= 1 for n in summary["nodes"]), [n["curvature"] for n in summary["nodes"]]
+    assert "curvature per stage" in (out / "report.html").read_text()

@@ -630,6 +630,8 @@ def demo(
     device: str = typer.Option("cpu", help="every node's --device (auto, cpu, cuda, cuda:N): a GPU is shared"),
     precision: str = typer.Option("fp32", help="every node's --precision (fp32 or bf16)"),
     backward: str = typer.Option("stash", help="every node's --backward (stash or recompute)"),
+    curvature_every: int = typer.Option(0, min=0, help="every node's --curvature-every: measure each stage's top "
+                                                       "preconditioned Hessian eigenvalue every N steps"),
     compare_local: bool = typer.Option(False, help="then train the same manifest centrally (train-local) for the "
                                                    "swarm's step count, on the same tokens, and compare the "
                                                    "validation loss on the same batches"),
@@ -667,7 +669,8 @@ def demo(
         chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last, fault=chaos_fault, stop_s=chaos_stop_s),
         link=LinkOptions(mbps=link_mbps, latency_ms=link_latency_ms, backend=link_backend),
         nodes=NodeExtras(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                         args=["--device", device, "--precision", precision, "--backward", backward]),
+                         args=["--device", device, "--precision", precision, "--backward", backward,
+                               "--curvature-every", str(curvature_every)]),
         allow_list=allow_list, live=not no_live, dashboard_port=dashboard_port if dashboard else None,
     ))
     mb = summary["microbatches"]

@@ -152,6 +152,7 @@ def summarize(children: list[Child], manifest: Manifest, record: RunRecord, targ
         "stage_utilisation": per_stage["stage_utilisation"],
         "staleness_mean_per_stage": per_stage["staleness_mean_per_stage"],
         "staleness_max_per_stage": per_stage["staleness_max_per_stage"],
+        "curvature_per_stage": per_stage["curvature_per_stage"],  # with nodes' --curvature-every
         "rounds_ok": sum(s.get("rounds_ok", 0) for _, s in nodes),
         "rounds_failed": sum(s.get("rounds_failed", 0) for _, s in nodes),
         "averaging_scheme": manifest.averaging.scheme,
@@ -206,8 +207,15 @@ def _per_stage(nodes: list[tuple[Child, dict]], n_stages: int, wall: float) -> d
     stale_sum: dict[str, int] = {}
     stale_n: dict[str, int] = {}
     stale_max: dict[str, int] = {}
+    curvature: dict[str, dict] = {}
     for _, s in nodes:
         st = s["stage"]
+        c = s.get("curvature")
+        if c:  # the stage's nodes together: the largest lr x lambda last measured, and every alarm
+            mine = curvature.setdefault(str(st), {"lr_times_value": None, "threshold": c["threshold"], "alarms": 0})
+            if c.get("lr_times_value") is not None:
+                mine["lr_times_value"] = max(mine["lr_times_value"] or c["lr_times_value"], c["lr_times_value"])
+            mine["alarms"] += c.get("alarms", 0)
         if st < n_stages - 1:
             key = f"{st}->{st + 1}"
             bytes_per_boundary[key] = bytes_per_boundary.get(key, 0) + s.get("bytes_sent_downstream", 0)
@@ -223,6 +231,7 @@ def _per_stage(nodes: list[tuple[Child, dict]], n_stages: int, wall: float) -> d
         "stage_utilisation": {k: v / (wall * stage_procs[k]) for k, v in busy.items()},
         "staleness_mean_per_stage": {k: stale_sum[k] / max(1, stale_n[k]) for k in stale_sum},
         "staleness_max_per_stage": stale_max,
+        "curvature_per_stage": curvature,
     }
 
 
@@ -239,7 +248,8 @@ def _node_row(child: Child, s: dict) -> dict:
             "resyncs": s.get("resyncs", 0), "rounds_failed": s.get("rounds_failed", 0),
             "aborted_rounds": s.get("aborted_rounds", 0), "local_steps": s.get("local_steps", 0),
             "share_redirects": s.get("share_redirects", 0),
-            "duplicate_microbatches": s.get("duplicate_microbatches", 0), "incoming": s.get("incoming")}
+            "duplicate_microbatches": s.get("duplicate_microbatches", 0), "incoming": s.get("incoming"),
+            "curvature": s.get("curvature")}
 
 
 def _completions(trainers: list[dict], t0: Optional[float]) -> list[list[float]]:

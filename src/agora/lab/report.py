@@ -128,5 +128,12 @@ def write_swarm_report(summary: dict, out_dir: Path, centralized: Optional[dict]
     by_boundary = summary.get("bytes_per_boundary", {})
     if by_boundary:
         plots["bytes per boundary"] = bar_figure(list(by_boundary), list(by_boundary.values()), "bytes sent", "bytes")
+    curvature = {k: v for k, v in summary.get("curvature_per_stage", {}).items() if v.get("lr_times_value") is not None}
+    if curvature:
+        threshold = next(iter(curvature.values()))["threshold"]
+        plots["curvature per stage"] = bar_figure(
+            [f"stage {k} ({v['alarms']} alarms)" for k, v in curvature.items()],
+            [v["lr_times_value"] for v in curvature.values()],
+            f"lr x top preconditioned Hessian eigenvalue (unstable above {threshold:.0f})", "lr x lambda")
     facts = {k: v for k, v in summary.items() if not isinstance(v, (list, dict))}
     write_html(out_dir, f"agora demo: {summary.get('run_id', '')}", facts, plots)

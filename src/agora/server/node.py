@@ -396,8 +396,18 @@ class StageNode:
                 "failed": c.failed, "rejected": c.rejected, "loss": rt.loss_ema,
                 "bytes_out": self.stats_out.payload_bytes_sent, "bytes_in": self.stats_in.payload_bytes_received,
                 "busy_s": c.busy_s, "moves": self.moves,
+                **self._curvature_metrics(rt),
             },
         )
+
+    @staticmethod
+    def _curvature_metrics(rt) -> dict:
+        """lr x the stage's top preconditioned Hessian eigenvalue against its stability threshold (dashboard)."""
+        if rt.curvature is None:
+            return {}
+        c = rt.curvature.summary()
+        return {"curvature_lr_lambda": c["lr_times_value"] if c["lr_times_value"] is not None else float("nan"),
+                "curvature_threshold": c["threshold"], "curvature_alarms": c["alarms"]}
 
     async def announce(self) -> None:
         rec = self.record().to_value()
