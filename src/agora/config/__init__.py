@@ -80,7 +80,7 @@ class Residual(_Strict):
 
 
 class MuonConfig(_Strict):
-    """Settings of ``optimizer.name: muon | numuon`` (agora.optim.muon; docs/OPTIMIZERS.md). Matrices inside the
+    """Settings of ``optimizer.name: muon | numuon`` (agora.optim.muon; docs/OPTIMIZER.md). Matrices inside the
     blocks step along their orthogonalised momentum; embeddings, the LM head and vectors use AdamW with the
     optimizer's ``lr``, ``betas`` and ``weight_decay``."""
 
@@ -266,7 +266,7 @@ class DepthWarmupConfig(_Strict):
     """Architecture warm-up (METHODS section 10): training starts with the first ``start_depth`` blocks; the others
     are bypassed, frozen and out of the optimizer, and join one at a time in depth order, each with zeroed output
     projections (so the network's function does not change when it joins), until every block is active at
-    ``until`` x ``optimizer.total_steps``. ``mode: steps`` is the only schedule built (docs/OPTIMIZERS.md)."""
+    ``until`` x ``optimizer.total_steps``. ``mode: steps`` is the only schedule built (docs/OPTIMIZER.md)."""
 
     until: float = Field(default=0.3, gt=0, le=1, description="fraction of total_steps when every block is active")
     mode: Literal["steps"] = "steps"

@@ -3,7 +3,7 @@
 Muon steps a matrix along the polar factor of its (Nesterov) momentum, ``U V^T`` over all singular directions;
 NuMuon keeps only the top ``k`` of them, the linear minimisation oracle over ``{||D||_2 <= 1, ||D||_* <= k}``
 (METHODS section 11), so every update has rank ``k`` and the weights stay more compressible. Embeddings, the LM head
-and vectors (norm gains) step with AdamW, exactly as ``torch.optim.AdamW`` would. Background: docs/OPTIMIZERS.md.
+and vectors (norm gains) step with AdamW, exactly as ``torch.optim.AdamW`` would. Background: docs/OPTIMIZER.md.
 """
 
 from __future__ import annotations

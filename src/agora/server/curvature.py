@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from agora.optim import lr_at
 from agora.optim.curvature import CurvatureTracker, alarm_threshold
-
-if TYPE_CHECKING:
-    from agora.server.runtime import StageRuntime
 
 
 @dataclass
@@ -36,9 +33,11 @@ class StageCurvature:
     received for the last microbatch (held fixed), or of the loss itself on the tail; P is the stage's own Adam
     second moment (identity for Muon-stepped matrices). A measurement is skipped while measurements have used more
     than ``budget`` of the compute time so far, so a slow stage spends at most that share on it.
+
+    :param runtime: the ``StageRuntime`` that owns it (not imported here: the runtime imports this module)
     """
 
-    def __init__(self, runtime: "StageRuntime", every: int, hvps: int = 3, budget: float = 0.05,
+    def __init__(self, runtime: Any, every: int, hvps: int = 3, budget: float = 0.05,
                  sequences: int = 2):
         self.rt = runtime
         self.every, self.budget = every, budget
