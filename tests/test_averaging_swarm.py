@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 
+import pytest
 import torch
 
 from agora.config import load_manifest
@@ -299,10 +300,12 @@ def test_averaging_spec_of_the_demo_and_benchmark_commands():
         demo_manifest("tiny", 2, averaging="powersgd,every=5")
 
 
-def test_numuon_replicas_averaging_every_step_stay_bit_identical_and_learn():
+@pytest.mark.parametrize("base", ["full", "powersgd"])
+def test_numuon_replicas_averaging_every_step_stay_bit_identical_and_learn(base):
     """NuMuon's Krylov sketch is seeded per (run seed, step, parameter): two replicas stepping with the same
-    averaged gradient take the same rank-k step and never need a state download."""
-    man = BASE.with_overrides(**{"optimizer.name": "numuon", "optimizer.muon.rank": 0.25})
+    averaged (or PowerSGD-compressed) gradient take the same rank-k step and never need a state download."""
+    man = (BASE if base == "full" else POWERSGD).with_overrides(
+        **{"optimizer.name": "numuon", "optimizer.muon.rank": 0.25})
     losses, heads = asyncio.run(_train(man, steps=3, check_each_step=_identical))
     assert all(h.sync.resyncs == 0 and h.sync.rounds_ok == 3 for h in heads), [h.sync.rounds_ok for h in heads]
     assert losses[1] < losses[0] - 0.5, losses
