@@ -309,6 +309,8 @@ def test_numuon_replicas_averaging_every_step_stay_bit_identical_and_learn(base)
     losses, heads = asyncio.run(_train(man, steps=3, check_each_step=_identical))
     assert all(h.sync.resyncs == 0 and h.sync.rounds_ok == 3 for h in heads), [h.sync.rounds_ok for h in heads]
     assert losses[1] < losses[0] - 0.5, losses
+    # Bit-identical replicas: the sampled consensus distance each saw at a shared step is exactly 0.
+    assert [h.sync.consensus_distance for h in heads] == [0.0, 0.0]
 
 
 def test_sparse_rounds_with_muon_average_its_momentum_and_the_swarm_learns():
@@ -326,6 +328,9 @@ def test_sparse_rounds_with_muon_average_its_momentum_and_the_swarm_learns():
     assert losses[1] < losses[0] - 0.5, losses
     assert all(h.sync.resyncs == 0 and h.sync.rounds_failed == 0 for h in heads)
     assert sum(h.sync.rounds_ok for h in heads) >= 2, [h.sync.rounds_ok for h in heads]
+    # SPARTA replicas step on their own gradients: at a shared step they differ, by a little.
+    distances = [h.sync.consensus_distance for h in heads if h.sync.consensus_distance is not None]
+    assert distances and all(0.0 < d < 0.5 for d in distances), distances
 
 
 def test_replicas_grow_blocks_mid_run_in_agreement():

@@ -163,6 +163,8 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
                 assert card["data-stage"] == str(stage["stage"])
                 assert re.fullmatch(r"\d+", card["data-step"]), card
                 assert card["data-state"] in ("joining", "syncing", "serving", "leaving")
+        assert all("data-consensus" in a for a in stage_cols.values()), stage_cols
+        assert sum("data-utilisation" in a for _, a in elements) == sum(len(st["peers"]) for st in data["stages"])
         curvature = [a for _, a in elements if "data-curvature" in a]
         assert len(curvature) == sum(len(st["peers"]) for st in data["stages"]), dom[-3000:]
         assert sum(a.get("data-bottleneck") == "true" for a in stage_cols.values()) <= 1

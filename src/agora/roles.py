@@ -269,6 +269,9 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "gossip_background_bytes": sum(getattr(s, "background_bytes", 0) for s in syncs),
         "gossip_exchanges_failed": sum(getattr(s, "exchanges_failed", 0) for s in syncs),
         "moves": node.moves,
+        # compute seconds over seconds alive; the replicas' sampled relative parameter spread at one step
+        "utilisation": node.utilisation(),
+        "consensus_distance": sync.consensus_distance if sync else None,
         # the stage's top preconditioned Hessian eigenvalue, lr x it against the stability threshold, alarms
         "curvature": node.runtime.curvature.summary() if node.runtime.curvature is not None else None,
         **node.state_access.summary(),

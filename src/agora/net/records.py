@@ -13,11 +13,12 @@ peer id is the key's own. Readers get plain peer ids back (``read_subkeys`` stri
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -74,6 +75,9 @@ class StageRecord:
     averaging_step: int = -1  # the step this peer is averaging gradients for right now (-1: not averaging)
     addrs: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    # The parameters' values at seeded positions, the same on every replica of the stage: consensus distance.
+    param_sample: list[float] = field(default_factory=list)
+    param_sample_step: int = -1  # the step the sample was taken after
     updated: float = 0.0
 
     def to_value(self) -> dict[str, Any]:
@@ -121,6 +125,27 @@ def announce(dht: DHT, key: str, subkey: str, value: dict, ttl: float = RECORD_T
     future = dht.store(key, subkey=stored_subkey, value=value, expiration_time=get_dht_time() + ttl,
                        return_future=True)
     return bool(future.result(timeout=DHT_TIMEOUT_S))
+
+
+def sampled_consensus_distance(records: Sequence["StageRecord"]) -> Optional[float]:
+    """Consensus distance of a stage's replicas from their records' parameter samples: mean ``||s_i - mean||`` over
+    ``||mean||`` among the serving replicas whose samples were taken after the most common step (replicas a step
+    apart differ by that step, not by disagreement). None with fewer than two such replicas."""
+    serving = [r for r in records if r.state == "serving" and r.param_sample and r.param_sample_step >= 0]
+    if not serving:
+        return None
+    steps = [r.param_sample_step for r in serving]
+    step = max(set(steps), key=lambda s: (steps.count(s), s))
+    samples = [r.param_sample for r in serving if r.param_sample_step == step]
+    if len(samples) < 2 or len({len(x) for x in samples}) != 1:
+        return None
+    n = len(samples)
+    mean = [sum(col) / n for col in zip(*samples)]
+    norm = math.sqrt(sum(v * v for v in mean))
+    if not math.isfinite(norm) or norm == 0.0:
+        return None
+    spread = sum(math.sqrt(sum((a - b) ** 2 for a, b in zip(x, mean))) for x in samples) / n
+    return spread / norm
 
 
 def read_subkeys(dht: DHT, key: str, latest: bool = True) -> dict[str, Any]:

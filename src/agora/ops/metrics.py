@@ -114,6 +114,8 @@ class NodeCollector(Collector):
         yield GaugeMetricFamily("agora_throughput_tokens_per_second", "Compute throughput (EMA), as announced.",
                                 value=n.runtime.throughput)
         yield GaugeMetricFamily("agora_optimizer_step", "Optimizer steps taken by this stage.", value=n.step)
+        yield GaugeMetricFamily("agora_utilisation", "Compute seconds over seconds alive (forward, backward, "
+                                "steps; the rest is averaging and waiting).", value=n.utilisation())
         yield GaugeMetricFamily("agora_accumulated_samples", "Samples accumulated toward the next step.",
                                 value=n.runtime.samples)
         if n.is_tail and not math.isnan(n.runtime.loss_ema):
@@ -162,6 +164,10 @@ class NodeCollector(Collector):
             rounds.add_metric(["local"], sync.local_steps)
             yield rounds
             yield CounterMetricFamily("agora_state_resyncs", "State downloads from replicas.", value=sync.resyncs)
+            if sync.consensus_distance is not None:
+                yield GaugeMetricFamily("agora_consensus_distance", "Relative spread of the stage replicas' "
+                                        "parameters at one step, from seeded samples (0: identical).",
+                                        value=sync.consensus_distance)
             if hasattr(sync, "outer_seconds"):  # DiLoCo
                 yield CounterMetricFamily("agora_outer_rounds_alone", "DiLoCo outer steps taken without partners "
                                           "(none alive, or the round failed).", value=sync.outer_rounds_alone)

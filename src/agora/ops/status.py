@@ -17,7 +17,7 @@ from hivemind import DHT
 from rich.table import Table
 
 from agora.config import Manifest
-from agora.net.records import acks_key, bans_key, read_subkeys, read_swarm, trainers_key
+from agora.net.records import acks_key, bans_key, read_subkeys, read_swarm, sampled_consensus_distance, trainers_key
 from agora.net.routing import stage_capacity, typical_throughput
 
 
@@ -77,6 +77,7 @@ def swarm_status(dht: DHT, manifest: Manifest) -> dict:
         stages.append({
             "stage": s,
             "capacity_tokens_per_s": caps[s],
+            "consensus_distance": sampled_consensus_distance(recs),  # None: fewer than two replicas at one step
             "peers": [
                 {"peer_id": r.peer_id, "short_id": r.peer_id[-8:], "state": r.state, "throughput": r.throughput,
                  "step": r.step, "samples": r.samples, "queue": r.queue, "metrics": r.metrics, "addrs": r.addrs}

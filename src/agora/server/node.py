@@ -120,6 +120,7 @@ class StageNode:
         self.inflight = 0
         self.queue = 0  # jobs waiting for or running on the compute thread
         self.serving_since = time.monotonic()
+        self.started_at = time.monotonic()  # utilisation: compute seconds over seconds alive
         self.stopping = False
         self.limiter = RateLimiter(rate=self.opts.rate_limit_per_s, burst=2 * self.opts.rate_limit_per_s)
         # Allow-listed runs: only callers holding a certified record of the run are served (see net/members.py).
@@ -378,6 +379,7 @@ class StageNode:
     # ------------------------------------------------------------------ DHT announcements
     def record(self) -> StageRecord:
         c, rt, sync = self.counters, self.runtime, self.sync
+        sample_step, sample = rt.parameter_sample  # one read: the compute thread replaces the pair
         return StageRecord(
             peer_id=self.peer_id,
             stage=rt.stage_index,
@@ -391,14 +393,20 @@ class StageNode:
             fingerprint=sync.fingerprint if sync and sync.fingerprint_valid else 0.0,
             averaging_step=sync.averaging_step if sync else -1,
             addrs=self.maddrs,
+            param_sample_step=sample_step,
+            param_sample=list(sample),
             metrics={
                 "forward": c.forward, "backward": c.backward, "tokens": c.tokens, "retried": c.retried,
                 "failed": c.failed, "rejected": c.rejected, "loss": rt.loss_ema,
                 "bytes_out": self.stats_out.payload_bytes_sent, "bytes_in": self.stats_in.payload_bytes_received,
-                "busy_s": c.busy_s, "moves": self.moves,
+                "busy_s": c.busy_s, "moves": self.moves, "utilisation": self.utilisation(),
                 **self._curvature_metrics(rt),
             },
         )
+
+    def utilisation(self) -> float:
+        """Compute seconds (forward, backward, steps) over seconds alive: what averaging and waiting leave."""
+        return self.counters.busy_s / max(1e-9, time.monotonic() - self.started_at)
 
     @staticmethod
     def _curvature_metrics(rt) -> dict:

@@ -113,6 +113,9 @@ def trim_heap() -> None:
 PRECISIONS = ("fp32", "bf16")
 # The optimizer state a stage exports per parameter (``opt/<key>/<name>``): Adam's moments, Muon's momentum, the step.
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "step")
+# Parameter values at this many seeded positions (the same on every replica of a stage) go into the peer's record:
+# replicas' samples give the stage's consensus distance (ops.status, ReplicaSync) without moving parameters.
+PARAMETER_SAMPLE = 128
 SYNC_PREFIX = "sync/"  # names of the averaging scheme's own state in export_state (StageRuntime.sync_state)
 BACKWARDS = ("stash", "recompute")
 
@@ -240,6 +243,9 @@ class StageRuntime:
         self.output_filters: list[OutputFilter] = []
         self._stash_version = -1
         self._stash_weights: Optional[dict] = None
+        self._sample_at = self._sample_positions()
+        # (step, values): taken together, so a record never pairs one step with another step's values
+        self.parameter_sample: tuple[int, list[float]] = (self.step, self.sample_parameters())
         _RUNTIMES.add(self)
 
     def release_tensors(self) -> None:
@@ -534,10 +540,37 @@ class StageRuntime:
         self.version += 1
         self.step += 1
         self._grow()
+        self.parameter_sample = (self.step, self.sample_parameters())
         if self.curvature is not None:
             self.curvature.after_step(self.step, self.counters.busy_s)
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _sample_positions(self) -> list[tuple[int, int]]:
+        """(parameter index, flat offset) of ``PARAMETER_SAMPLE`` positions drawn uniformly over the stage's
+        elements, seeded by the run and the stage: every replica samples the same positions."""
+        sizes = [p.numel() for p in self.stage.parameters()]
+        total = sum(sizes)
+        if total == 0:
+            return []
+        gen = torch.Generator().manual_seed((self.manifest.seed * 7919 + self.stage_index + 1) % (2 ** 63))
+        flat = torch.randint(0, total, (min(PARAMETER_SAMPLE, total),), generator=gen).sort().values.tolist()
+        starts, acc = [], 0
+        for n in sizes:
+            starts.append(acc)
+            acc += n
+        out, i = [], 0
+        for f in flat:
+            while f >= starts[i] + sizes[i]:
+                i += 1
+            out.append((i, f - starts[i]))
+        return out
+
+    def sample_parameters(self) -> list[float]:
+        """The parameters' values at the seeded positions (compute thread: after every change of the weights)."""
+        params = self.trained_parameters()
+        with torch.no_grad():
+            return [float(params[i].reshape(-1)[j]) for i, j in self._sample_at]
 
     def _grow(self) -> None:
         """Architecture warm-up: blocks due at this step join, with zeroed output projections (``Stage.grow_to``)
@@ -612,6 +645,7 @@ class StageRuntime:
         self.step = int(step)
         # The imported weights already hold every zeroed block that joined before ``step``: only the depth follows.
         self.stage.active_depth = active_depth(self.manifest, self.step)
+        self.parameter_sample = (self.step, self.sample_parameters())
         if not keep_grads:
             self.samples = 0
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
@@ -639,6 +673,7 @@ class StageRuntime:
                 if q is not p:
                     p.copy_(q, non_blocking=True)
         self.version += 1
+        self.parameter_sample = (self.step, self.sample_parameters())
 
     def save_checkpoint(self) -> Optional[Path]:
         step, names, tensors = self.export_state()

@@ -49,7 +49,7 @@ CERT_DOMAIN = b"agora-peer-cert-v1\x00"
 CERT_FIELD = "cert"
 RUN_KEY_SUFFIXES = ("_trainers", "_manifest", "_acks", "_bans", "_moving")
 STAGE_STATES = ("joining", "syncing", "serving", "leaving")
-MAX_VALUE_BYTES = 8192  # a stage record is ~0.5 KB; an acks record grows ~55 B per acknowledged peer
+MAX_VALUE_BYTES = 8192  # a stage record is ~1.7 KB (1.2 KB: its parameter sample); an acks record grows ~55 B per acknowledged peer
 MAX_SUBKEY_BYTES = 1024
 
 # ---------------------------------------------------------------------- keys

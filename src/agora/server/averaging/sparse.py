@@ -118,5 +118,6 @@ class SparseSync(ReplicaSync):
             return None
         k = self.sparse.apply(snap, averaged, rt.step)
         rt.version += 1  # parameters changed in place: the next forward takes a fresh weight snapshot
+        rt.parameter_sample = (rt.step, rt.sample_parameters())
         self._set_fingerprint()
         return k

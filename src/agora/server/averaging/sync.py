@@ -28,7 +28,8 @@ from agora.model import tied_parameter
 from agora.net.members import RunMembers
 from agora.net.protocol import OVER_SHARE
 from agora.net.state_transfer import fetch_state
-from agora.net.records import PeerState, StageRecord, read_stage, read_swarm_bans, trainers_training
+from agora.net.records import (PeerState, StageRecord, read_stage, read_swarm_bans, sampled_consensus_distance,
+                                trainers_training)
 from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
 from agora.server.averaging.clip import GlobalClip
@@ -139,6 +140,9 @@ class ReplicaSync:
         self.others_samples = 0  # what the replicas at our step announced they accumulated (``_note_replicas``)
         self.others_reserved = 0  # that, plus what they announced as admitted and still in flight
         self.share_peers: list[tuple[str, float]] = []  # replicas around our step and their throughput (shares)
+        # Relative spread of the replicas' parameter samples at one step (records' ``param_sample``); None: never
+        # seen two replicas at one step. 0 for bit-identical schemes (full, powersgd) at every step.
+        self.consensus_distance: Optional[float] = None
         self.stepping = False  # between taking the batch's gradients and applying the step (``round``)
         self.share_overflows = 0  # retried microbatches taken beyond our share (the others' counts looked stale)
         self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
@@ -400,6 +404,12 @@ class ReplicaSync:
         self.others_reserved = self.others_samples + sum(r.admitted for r in around)
         # A replica one step behind is about to join our step (it is averaging or just stepping): it has a share.
         self.share_peers = [(r.peer_id, r.throughput) for r in serving if step - 1 <= r.step <= step + 1]
+        sample_step, sample = self.ctx.runtime.parameter_sample  # one read: the compute thread replaces the pair
+        me = StageRecord(peer_id=self.ctx.peer_id, stage=self.ctx.stage_index, state=PeerState.SERVING.value,
+                         manifest_hash=self.ctx.manifest.hash, param_sample_step=sample_step, param_sample=list(sample))
+        distance = sampled_consensus_distance([me, *serving])
+        if distance is not None:  # (kept otherwise: a moment without a replica at our step says nothing)
+            self.consensus_distance = distance
 
     async def _watch_during_rounds(self) -> None:
         """While a round runs the tick loop waits for it: keep ``others_samples`` and our announced count fresh."""
