@@ -317,6 +317,41 @@ def bench_gossip(
         log=console.print)
 
 
+@bench_app.command("averaging")
+def bench_averaging(
+    out: Path = typer.Option(Path("bench-out/averaging")),
+    preset: str = typer.Option("small", help="tiny, small, medium or a manifest path"),
+    stages: int = typer.Option(3, min=1), replicas: int = typer.Option(4, min=1),
+    steps: int = typer.Option(12, min=1, help="optimizer steps' worth of tokens per arm (equal for every arm)"),
+    seeds: str = typer.Option("0", help="comma-separated seeds"),
+    schemes: str = typer.Option(",".join(("full", "powersgd", "sparse", "diloco", "gossip_q0", "gossip_q1",
+                                          "gossip_q3")), help="comma-separated subset"),
+    conditions: str = typer.Option("clean,capped,kill", help="comma-separated subset of clean, capped, kill"),
+    every: int = typer.Option(4, min=1, help="inner steps per outer round (diloco, gossip); sparse's round period"),
+    link_mbps: float = typer.Option(4.0, min=0.01, help="capped: every peer's uplink"),
+    kill_every: float = typer.Option(30.0, min=1.0, help="kill: seconds between replica kills"),
+) -> None:
+    """The averaging schemes side by side at equal tokens, clean, over capped links and under replica kills:
+    validation loss, training time, utilisation, averaging bytes per step, consensus distance, stalls."""
+    from agora.bench.averaging import CONDITIONS, SCHEMES, AveragingOptions, run
+
+    _manifest(preset)
+    try:
+        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+        chosen = tuple(x.strip() for x in schemes.split(",") if x.strip())
+        conds = tuple(x.strip() for x in conditions.split(",") if x.strip())
+        bad = [x for x in chosen if x not in SCHEMES] + [x for x in conds if x not in CONDITIONS]
+        if bad or not seed_list or not chosen or not conds:
+            raise ValueError(f"unknown {bad}; schemes: {list(SCHEMES)}, conditions: {list(CONDITIONS)}" if bad
+                             else "give at least one seed, scheme and condition")
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2)
+    run(out, AveragingOptions(preset=preset, stages=stages, replicas=replicas, steps=steps, seeds=seed_list,
+                              schemes=chosen, conditions=conds, every=every, link_mbps=link_mbps,
+                              kill_every_s=kill_every), log=console.print)
+
+
 @bench_app.command("training")
 def bench_training(
     out: Path = typer.Option(Path("bench-out/training")),

@@ -249,7 +249,8 @@ def _node_row(child: Child, s: dict) -> dict:
             "aborted_rounds": s.get("aborted_rounds", 0), "local_steps": s.get("local_steps", 0),
             "share_redirects": s.get("share_redirects", 0),
             "duplicate_microbatches": s.get("duplicate_microbatches", 0), "incoming": s.get("incoming"),
-            "curvature": s.get("curvature")}
+            "curvature": s.get("curvature"), "consensus_distance": s.get("consensus_distance"),
+            "utilisation": s.get("utilisation")}
 
 
 def _completions(trainers: list[dict], t0: Optional[float]) -> list[list[float]]:

@@ -1,0 +1,34 @@
+"""``agora bench averaging``'s bookkeeping: every scheme maps to the swarm's averaging spec, and the table compares
+each arm with ``full`` under the same condition (the swarm runs themselves are the benchmark, not a test)."""
+
+import pytest
+
+from agora.bench.averaging import SCHEMES, AveragingOptions, summarize
+from agora.lab.demo_setup import averaging_section
+
+
+def test_every_scheme_is_a_valid_averaging_spec():
+    opts = AveragingOptions(every=5)
+    specs = {s: opts.averaging_spec(s) for s in SCHEMES}
+    assert specs["gossip_q3"] == "gossip,every=5,q=3" and specs["diloco"] == "diloco,every=5"
+    for scheme, spec in specs.items():
+        section = averaging_section(spec)
+        assert section["scheme"] == scheme.split("_")[0], (scheme, section)
+    with pytest.raises(ValueError, match="unknown scheme"):
+        opts.averaging_spec("allreduce")
+
+
+def test_the_summary_compares_with_full_under_the_same_condition():
+    def arm(scheme, condition, val, train_s, seed=0):
+        return {"seed": seed, "scheme": scheme, "condition": condition, "val_loss": val, "loss_ratio": val / 5.0,
+                "train_s": train_s, "utilisation": 0.5, "averaging_bytes_per_step": 100.0,
+                "consensus_distance": None, "longest_stall_s": 1.0, "kills": 0}
+
+    rows = summarize([arm("full", "clean", 5.0, 100.0), arm("gossip_q1", "clean", 5.5, 25.0),
+                      arm("full", "capped", 6.0, 400.0), arm("gossip_q1", "capped", 6.0, 100.0),
+                      arm("gossip_q1", "capped", 6.6, 300.0, seed=1)])
+    assert rows["clean/gossip_q1"]["vs_full_loss"] == pytest.approx(1.1)
+    assert rows["clean/gossip_q1"]["full_time_over_this"] == pytest.approx(4.0)
+    assert rows["capped/gossip_q1"]["val_loss"] == pytest.approx(6.3)  # median over seeds
+    assert rows["capped/gossip_q1"]["full_time_over_this"] == pytest.approx(2.0)
+    assert rows["capped/full"]["vs_full_loss"] == 1.0 and rows["clean/full"]["consensus_distance"] is None
