@@ -242,3 +242,21 @@ def test_sparse_rounds_average_muon_momentum_and_adam_moments_together():
         assert torch.equal(x, y) and key not in opts[0].state[models[0][2].weight]
     assert torch.equal(first.detach().reshape(-1)[idx], models[1][0].weight.detach().reshape(-1)[idx])
     assert "exp_avg_sq" in opts[0].state[models[0][2].weight]  # the "LM head" steps with AdamW
+
+
+def test_the_memory_plan_counts_one_momentum_per_block_matrix_under_muon():
+    from agora.plan import Options, plan_stage
+    from agora.server.runtime import RuntimeOptions
+
+    m = load_manifest("tiny")
+    rt = StageRuntime(m.with_overrides(**{"optimizer.name": "muon"}), 0, Counters(), Observers(),
+                      options=RuntimeOptions())
+    rt.apply_step([torch.full(p.shape, 0.01, dtype=torch.float64) for p in rt.stage.parameters()])
+    real = sum(t.numel() * t.element_size() for st in rt.optimizer.state.values() for k, t in st.items()
+               if k != "step")
+
+    def planned(man):
+        return next(p.device for p in plan_stage(man, 0, Options()).parts if p.name == "optimizer moments")
+
+    assert planned(m.with_overrides(**{"optimizer.name": "muon"})) == real
+    assert planned(m) > real  # AdamW keeps two moments of every parameter

@@ -304,8 +304,13 @@ def plan_stage(manifest: Manifest, stage: int | StageShape, options: Options, mi
         "fp32" + (" (autocast computes in bf16)" if bf16 else "")
         + ("; the optimizer's fp32 master copy on the host" if options.offload_optimizer else ""))
     add("gradients", 4 * p, 0, "always", "fp32, accumulated between optimizer steps")
-    add("optimizer moments", 0 if options.offload_optimizer else 8 * p, 8 * p if options.offload_optimizer else 0,
-        "always", "AdamW exp_avg + exp_avg_sq, fp32" + (" (offloaded)" if options.offload_optimizer else ""))
+    if manifest.optimizer.name in ("muon", "numuon"):  # one momentum buffer per block matrix, AdamW's two else
+        matrices = s.layers * s.block_matmul
+        moments, what = 4 * matrices + 8 * (p - matrices), "Muon momentum on block matrices + AdamW's two on the rest"
+    else:
+        moments, what = 8 * p, "AdamW exp_avg + exp_avg_sq"
+    add("optimizer moments", 0 if options.offload_optimizer else moments, moments if options.offload_optimizer else 0,
+        "always", what + ", fp32" + (" (offloaded)" if options.offload_optimizer else ""))
     if stashes:
         versions = assumptions.versions or min(in_flight, 2)
         add("weight snapshots", versions * 4 * p, 0, "always",
