@@ -91,6 +91,9 @@ def run_optimizer(base: Manifest, name: str, seed: int, opts: TrainingOptions) -
         if step == opts.steps - 1 - opts.pseudo_steps:
             snapshot.update({n: p.detach().clone() for n, p in _block_matrices(model)})
 
+    from agora.model import PipelineModel
+
+    initial = {n: p.detach().clone() for n, p in _block_matrices(PipelineModel(m))}  # the seeded init, by name
     t0 = time.perf_counter()
     summary, model = train_model(m, opts.steps, val_batches=opts.val_batches, after_step=after_step)
     _, val, _ = build_datasets(m)
@@ -106,6 +109,8 @@ def run_optimizer(base: Manifest, name: str, seed: int, opts: TrainingOptions) -
         "optimizer": name, "seed": seed, "steps": opts.steps, "tokens": summary["tokens"],
         "val_loss": summary["val_loss"], "train_loss_last": summary["train_loss"][-1],
         "stable_rank_mean": statistics.fmean(stable_rank(p) for _, p in matrices),
+        # of what training added (W - W_0): at short horizons the weights are still mostly their random init
+        "update_stable_rank_mean": statistics.fmean(stable_rank(p.detach() - initial[n]) for n, p in matrices),
         "truncated_val_loss": truncated, "truncation_increase": truncated - summary["val_loss"],
         "pseudo_gradient_rank4_residual": math.sqrt(residual / norm) if norm > 0 else None,
         "wall_s": time.perf_counter() - t0, "train_wall_s": summary["wall_s"], "cpu_s": summary["cpu_s"],
@@ -173,7 +178,8 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
         for name in opts.optimizers:
             r = run_optimizer(base, name, seed, opts)
             runs.append(r)
-            log(f"{name} seed {seed}: val {r['val_loss']:.4f}, stable rank {r['stable_rank_mean']:.2f}, truncated "
+            log(f"{name} seed {seed}: val {r['val_loss']:.4f}, stable rank {r['stable_rank_mean']:.2f} (of W - W0 "
+                f"{r['update_stable_rank_mean']:.2f}), truncated "
                 f"+{r['truncation_increase']:.4f}, rank-4 residual {r['pseudo_gradient_rank4_residual']:.3f} "
                 f"({r['wall_s']:.0f}s)")
     rows, table = {}, []
@@ -182,13 +188,14 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
         if not mine:
             continue
         rows[name] = {k: _median_spread([r[k] for r in mine]) for k in
-                      ("val_loss", "stable_rank_mean", "truncation_increase", "pseudo_gradient_rank4_residual",
+                      ("val_loss", "stable_rank_mean", "update_stable_rank_mean", "truncation_increase", "pseudo_gradient_rank4_residual",
                        "train_wall_s")}
     ref = rows.get("muon")
     for name, row in rows.items():
         vs_muon = (row["val_loss"]["median"] / ref["val_loss"]["median"]) if ref else None
         table.append([name, _fmt(row["val_loss"]), f"{vs_muon:.4f}" if vs_muon else "-",
-                      _fmt(row["stable_rank_mean"], ".2f"), _fmt(row["truncation_increase"]),
+                      _fmt(row["stable_rank_mean"], ".2f"), _fmt(row["update_stable_rank_mean"], ".2f"),
+                      _fmt(row["truncation_increase"]),
                       _fmt(row["pseudo_gradient_rank4_residual"], ".3f"), _fmt(row["train_wall_s"], ".0f")])
     tokens = runs[0]["tokens"] if runs else 0
     curvature_runs = []
@@ -215,7 +222,8 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
           f"{list(opts.seeds)}; median (min-max). NuMuon rank fraction {opts.numuon_rank}; truncation keeps "
           f"{opts.truncate_rank:.0%} of each block matrix's rank; the residual is that of the best rank-4 fit of the "
           f"last {opts.pseudo_steps} steps' pseudo-gradient, over all block matrices.\n\n"
-          + markdown_table(["optimizer", "val loss", "vs muon", "stable rank", "loss increase after truncation",
+          + markdown_table(["optimizer", "val loss", "vs muon", "stable rank", "stable rank of W - W0",
+                            "loss increase after truncation",
                             "rank-4 residual", "train s"], table)) if table else ""
     if curvature_table:
         md += (f"\n\nCurvature (AdamW, whole model, {opts.curvature_hvps} warm-started HVPs every "
