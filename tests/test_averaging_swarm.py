@@ -264,17 +264,22 @@ def test_sparse_replicas_step_on_own_gradients_and_average_a_seeded_slice_in_the
     assert payload < 8 * 3 * elements * 0.51
 
 
-def test_sparse_swarm_learns_without_state_downloads():
+def _sparse_swarm(man):
+    """Layout [0, 0, 1], 6 waves of training with sparse averaging between the head's replicas: (losses, heads)."""
     opts = NodeOptions(stall_step_s=1.0, averaging_timeout_s=10.0)
 
     async def main():
-        async with local_swarm(SPARSE, [0, 0, 1], opts) as (boot, peers, nodes):
+        async with local_swarm(man, [0, 0, 1], opts) as (boot, peers, nodes):
             heads = [n for n in nodes if n.stage_index == 0]
-            losses = await train_in_waves(SPARSE, boot, nodes, 6, timeout=30, settled=lambda: all(
+            losses = await train_in_waves(man, boot, nodes, 6, timeout=30, settled=lambda: all(
                 h.sync._sparse_task is None or h.sync._sparse_task.done() for h in heads))
             return losses, heads
 
-    losses, heads = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_sparse_swarm_learns_without_state_downloads():
+    losses, heads = _sparse_swarm(SPARSE)
     assert losses[1] < losses[0] - 0.5, losses
     assert all(h.sync.resyncs == 0 for h in heads), [h.sync.resyncs for h in heads]
     assert all(h.step >= 2 for h in heads), [h.step for h in heads]
@@ -314,17 +319,7 @@ def test_numuon_replicas_averaging_every_step_stay_bit_identical_and_learn(base)
 
 
 def test_sparse_rounds_with_muon_average_its_momentum_and_the_swarm_learns():
-    man = SPARSE.with_overrides(**{"optimizer.name": "muon"})
-    opts = NodeOptions(stall_step_s=1.0, averaging_timeout_s=10.0)
-
-    async def main():
-        async with local_swarm(man, [0, 0, 1], opts) as (boot, peers, nodes):
-            heads = [n for n in nodes if n.stage_index == 0]
-            losses = await train_in_waves(man, boot, nodes, 6, timeout=30, settled=lambda: all(
-                h.sync._sparse_task is None or h.sync._sparse_task.done() for h in heads))
-            return losses, heads
-
-    losses, heads = asyncio.run(main())
+    losses, heads = _sparse_swarm(SPARSE.with_overrides(**{"optimizer.name": "muon"}))
     assert losses[1] < losses[0] - 0.5, losses
     assert all(h.sync.resyncs == 0 and h.sync.rounds_failed == 0 for h in heads)
     assert sum(h.sync.rounds_ok for h in heads) >= 2, [h.sync.rounds_ok for h in heads]

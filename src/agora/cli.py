@@ -17,6 +17,11 @@ app.add_typer(bench_app, name="bench")
 console = Console(stderr=True)
 
 
+def _listed(text: str, cast=str) -> tuple:
+    """A comma-separated option as a tuple (``"0,1"`` -> ``(0, 1)`` with ``cast=int``); ValueError on a bad item."""
+    return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+
+
 def _manifest(spec: str):
     from agora.config import ManifestError, load_manifest
 
@@ -274,8 +279,8 @@ def bench_convergence(
     from agora.bench.convergence import ConvergenceOptions, run
 
     try:
-        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
-        row_list = tuple(x.strip() for x in rows.split(",") if x.strip()) if rows else None
+        seed_list = _listed(seeds, int)
+        row_list = _listed(rows) if rows else None
         opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches,
                                   diloco_every=diloco_every)
@@ -303,8 +308,8 @@ def bench_gossip(
     from agora.bench.gossip import VARIANTS, GossipOptions, run
 
     try:
-        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
-        chosen = tuple(x.strip() for x in variants.split(",") if x.strip()) if variants else None
+        seed_list = _listed(seeds, int)
+        chosen = _listed(variants) if variants else None
         unknown = [v for v in chosen or () if v not in VARIANTS]
         if unknown or not seed_list:
             raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}" if unknown
@@ -337,9 +342,7 @@ def bench_averaging(
 
     _manifest(preset)
     try:
-        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
-        chosen = tuple(x.strip() for x in schemes.split(",") if x.strip())
-        conds = tuple(x.strip() for x in conditions.split(",") if x.strip())
+        seed_list, chosen, conds = _listed(seeds, int), _listed(schemes), _listed(conditions)
         bad = [x for x in chosen if x not in SCHEMES] + [x for x in conds if x not in CONDITIONS]
         if bad or not seed_list or not chosen or not conds:
             raise ValueError(f"unknown {bad}; schemes: {list(SCHEMES)}, conditions: {list(CONDITIONS)}" if bad
@@ -370,10 +373,8 @@ def bench_training(
 
     _manifest(preset)  # a clear error for a bad preset or manifest path
     try:
-        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
-        chosen = tuple(x.strip() for x in optimizers.split(",") if x.strip())
-        factors = tuple(float(x) for x in spike_lr.split(",") if x.strip())
-        parts = tuple(x.strip() for x in sections.split(",") if x.strip())
+        seed_list, chosen, parts = _listed(seeds, int), _listed(optimizers), _listed(sections)
+        factors = _listed(spike_lr, float)
         bad = [x for x in chosen if x not in OPTIMIZERS] + [x for x in parts if x not in ("optimizers", "curvature")]
         if bad or not seed_list or not chosen or not 0 < numuon_rank:
             raise ValueError(f"unknown {bad}" if bad else "give at least one seed and optimizer, and a rank > 0")
@@ -410,8 +411,8 @@ def bench_upm(
         opts = UpmBenchOptions(
             out=out, transforms=transforms, train_steps=train_steps, model=model, real_transforms=real_transforms,
             real_stages=real_stages, seed=seed, checkpoints=checkpoints,
-            sections=tuple(x.strip() for x in sections.split(",") if x.strip()), training_steps=training_steps,
-            rotate_every=rotate_every, training_seeds=tuple(int(x) for x in training_seeds.split(",") if x.strip()))
+            sections=_listed(sections), training_steps=training_steps,
+            rotate_every=rotate_every, training_seeds=_listed(training_seeds, int))
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
