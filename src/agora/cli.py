@@ -366,6 +366,7 @@ def bench_training(
     spike_lr: str = typer.Option("10", help="curvature section: comma-separated multiples of the preset's lr"),
     curvature_every: int = typer.Option(10, min=1), curvature_hvps: int = typer.Option(3, min=1, max=5),
     sections: str = typer.Option("optimizers,curvature", help="comma-separated subset"),
+    residual: Optional[str] = typer.Option(None, help="override the preset's residual mode: dense or subspace"),
 ) -> None:
     """AdamW vs Muon vs NuMuon at equal tokens (validation loss, stable rank, loss after rank-25% truncation,
     rank-4 residual of the pseudo-gradient), and online curvature at a spiking learning rate."""
@@ -376,6 +377,8 @@ def bench_training(
         seed_list, chosen, parts = _listed(seeds, int), _listed(optimizers), _listed(sections)
         factors = _listed(spike_lr, float)
         bad = [x for x in chosen if x not in OPTIMIZERS] + [x for x in parts if x not in ("optimizers", "curvature")]
+        if residual not in (None, "dense", "subspace"):
+            bad.append(f"residual {residual}")
         if bad or not seed_list or not chosen or not 0 < numuon_rank:
             raise ValueError(f"unknown {bad}" if bad else "give at least one seed and optimizer, and a rank > 0")
     except ValueError as err:
@@ -383,7 +386,9 @@ def bench_training(
         raise typer.Exit(2)
     run(out, TrainingOptions(preset=preset, steps=steps, seeds=seed_list, optimizers=chosen,
                              numuon_rank=numuon_rank, spike_lr_factors=factors, curvature_every=curvature_every,
-                             curvature_hvps=curvature_hvps, sections=parts), log=console.print)
+                             curvature_hvps=curvature_hvps, sections=parts,
+                             overrides={"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"}
+                             if residual == "dense" else {}), log=console.print)
 
 
 @bench_app.command("upm")

@@ -218,7 +218,8 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                                 sum(r["spikes"] for r in mine), sum(r["alarms"] for r in mine),
                                 f"{max(lams):.1f}" if lams else "-", f"{mine[0]['threshold']:.0f}",
                                 _fmt(_median_spread([100 * r["tracker_share"] for r in mine]), ".1f")])
-    md = (f"`{opts.preset}`, {opts.steps} steps ({tokens:,} tokens, equal for every row), seeds "
+    mode = opts.overrides.get("residual.mode", base.residual.mode)
+    md = (f"`{opts.preset}` ({mode} residual), {opts.steps} steps ({tokens:,} tokens, equal for every row), seeds "
           f"{list(opts.seeds)}; median (min-max). NuMuon rank fraction {opts.numuon_rank}; truncation keeps "
           f"{opts.truncate_rank:.0%} of each block matrix's rank; the residual is that of the best rank-4 fit of the "
           f"last {opts.pseudo_steps} steps' pseudo-gradient, over all block matrices.\n\n"
