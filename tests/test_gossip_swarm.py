@@ -122,3 +122,34 @@ def test_a_gossip_replica_whose_partner_left_keeps_training():
     a, seconds = asyncio.run(main())
     assert a.step == 4 and a.sync.rounds_ok == 2 and a.sync.outer_rounds_alone == 2, (a.step, a.sync.rounds_ok)
     assert seconds < 30, f"three steps and two phase ends without the partner took {seconds:.0f}s"
+
+
+def test_an_exchange_gives_up_as_soon_as_its_partner_is_gone():
+    """A pairwise exchange knows its one partner: once that partner's record is gone (or not serving) the wait
+    ends within about a second or two, not at the averaging timeout, even while other replicas of the phase live."""
+    from types import SimpleNamespace
+
+    from agora.server.averaging.sync import ReplicaSync
+
+    class NeverDone:
+        began_allreduce = False
+        cancelled = False
+
+        def done(self):
+            return self.cancelled
+
+        def cancel(self):
+            self.cancelled = True
+
+    checks = []
+
+    async def partner_alive():
+        checks.append(time.monotonic())
+        return len(checks) < 2  # alive at the first check, gone at the second
+
+    fake = SimpleNamespace(ctx=SimpleNamespace(stage_index=0), aborted_rounds=0)
+    control = NeverDone()
+    t0 = time.monotonic()
+    result = asyncio.run(ReplicaSync._await_round(fake, control, None, 60.0, alive=partner_alive))
+    assert result is None and control.cancelled and fake.aborted_rounds == 1
+    assert len(checks) == 2 and time.monotonic() - t0 < 5.0

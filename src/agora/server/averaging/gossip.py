@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from agora.net.records import DHT_TIMEOUT_S
+from agora.net.records import DHT_TIMEOUT_S, PeerState
 from agora.optim.gossip import exponential_edges
 from agora.optim.outer import nesterov_outer_step
 from agora.server.averaging.allreduce import GuardedAverager
@@ -91,10 +91,15 @@ class GossipSync(DiLoCoSync):
         return ranked, ranked.index(self.ctx.peer_id)
 
     async def _exchange(self, values: list[torch.Tensor], bits: str, label: str, timeout: float,
-                        step: Optional[int] = None) -> Optional[list[torch.Tensor]]:
-        """Average ``values`` with the one replica that uses group ``bits``; None when no pair formed in time (with
-        ``step``: given up early once no replica of that phase is alive)."""
+                        partner: str) -> Optional[list[torch.Tensor]]:
+        """Average ``values`` with ``partner``, the one replica that uses group ``bits``; None when no pair formed
+        in time, or as soon as the partner's record is gone or no longer serving (it died or left: waiting out the
+        timeout would only stall this replica)."""
         c = self.ctx
+
+        async def partner_alive() -> bool:
+            return any(r.peer_id == partner and r.state == PeerState.SERVING.value for r in await self.replicas())
+
         try:
             await c.run_io(lambda: self.averager.set_group_bits(bits, wait=False).result(timeout=DHT_TIMEOUT_S))
             with self.averager.get_tensors() as bufs:
@@ -102,7 +107,7 @@ class GossipSync(DiLoCoSync):
                     b.copy_(v)
             control = await c.run_io(lambda: self.averager.step(weight=1.0, gather={"exchange": label},
                                                                 timeout=timeout, allow_retries=True, wait=False))
-            result = await self._await_round(control, step, timeout)
+            result = await self._await_round(control, None, timeout, alive=partner_alive)
         except Exception as err:  # an exchange that failed, not a failed node
             logger.info(f"stage {c.stage_index}: gossip exchange {label} raised {err!r}")
             result = None
@@ -131,8 +136,9 @@ class GossipSync(DiLoCoSync):
         if pair is None:
             return  # alone, or sitting this round out (the count is not a power of two)
         sent = self.bytes_sent
+        partner = ranked[pair[1] if pair[0] == me else pair[0]]
         mixed = await self._exchange(start, pair_bits(round_index, 0, pair[0]), f"mix1-{boundary}",
-                                     self.ctx.averaging_timeout_s)
+                                     self.ctx.averaging_timeout_s, partner)
         self.background_bytes += self.bytes_sent - sent
         self._mixed = mixed
 
@@ -157,8 +163,9 @@ class GossipSync(DiLoCoSync):
                 if pair is None:
                     continue
                 self.averaging_step = step
+                partner = ranked[pair[1] if pair[0] == me else pair[0]]
                 averaged = await self._exchange(new, pair_bits(step // self.every, 1 + r * 3 + k, pair[0]),
-                                                f"mix2-{step}-{r}-{k}", c.averaging_timeout_s, step)
+                                                f"mix2-{step}-{r}-{k}", c.averaging_timeout_s, partner)
                 self.averaging_step = -1
                 if averaged is not None:
                     new = averaged

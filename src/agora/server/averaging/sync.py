@@ -517,9 +517,11 @@ class ReplicaSync:
         finally:
             self.control = None
 
-    async def _await_round(self, control, step: Optional[int], timeout: float) -> Optional[dict]:
+    async def _await_round(self, control, step: Optional[int], timeout: float,
+                           alive: Optional[Callable[[], Awaitable[bool]]] = None) -> Optional[dict]:
         """Wait for hivemind's round; gathered metadata by peer, or None. With ``step``, give up early once no
-        replica that could join the round for ``step`` is left (background rounds, ``step=None``, only time out)."""
+        replica that could join the round for ``step`` is left; with ``alive``, once it says the partners are gone
+        (a pairwise exchange knows its one partner). Without either only the timeout ends a round."""
         stage = self.ctx.stage_index
         # Hard bound: matchmaking (timeout) + one all-reduce (allreduce_timeout) + slack. hivemind enforces both;
         # this only guards against a wedged averager process.
@@ -532,14 +534,14 @@ class ReplicaSync:
                 logger.warning(f"stage {stage}: averaging did not finish within {2 * timeout + 10:.0f}s")
                 control.cancel()
                 return None
-            if step is not None and now > next_check and not control.began_allreduce:
+            if (step is not None or alive is not None) and now > next_check and not control.began_allreduce:
                 next_check = now + 1.0
-                if not await self._partners_left(step):
+                if not await (alive() if alive is not None else self._partners_left(step)):
                     # Everyone we could average with is gone (records expired: crashed, or moved on without us):
                     # waiting for the matchmaking timeout would only stall this stage.
                     control.cancel()
                     self.aborted_rounds += 1
-                    logger.warning(f"stage {stage}: no replica left for the round of step {step}; stepping locally")
+                    logger.warning(f"stage {stage}: no replica left for the round of step {step}; going on without")
                     return None
         try:
             return control.result(timeout=0)
