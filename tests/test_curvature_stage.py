@@ -63,7 +63,7 @@ def test_the_head_measures_the_hessian_of_its_output_against_the_received_gradie
     with sdpa_kernel(SDPBackend.MATH):
         for _ in range(8):  # 40 more power iterations on the same sample and weights
             lam = cur.tracker.measure(cur._loss, moments, beta2, step)
-    params = list(head.stage.parameters())
+    params = cur.params  # every parameter but the token embedding (tracked_parameters)
     scale = [(m / (1 - beta2 ** step)).sqrt().add(1e-8).rsqrt() if m is not None else torch.ones_like(p)
              for p, m in zip(params, moments)]
     direction = [s * u for s, u in zip(scale, cur.tracker.u)]
@@ -109,3 +109,12 @@ def test_curvature_options_are_validated_and_off_by_default():
     for bad in ({"curvature_every": -1}, {"curvature_hvps": 6}, {"curvature_budget": 0.0}):
         with pytest.raises(ValueError, match="curvature"):
             RuntimeOptions(**bad)
+
+
+def test_the_token_embedding_is_not_tracked():
+    """Rare tokens' embedding rows have a tiny Adam second moment: preconditioned, they would dominate the value."""
+    head = _pipeline()[0]
+    names = {id(p): n for n, p in head.stage.named_parameters()}
+    tracked = [names[id(p)] for p in head.curvature.params]
+    assert tracked and not any("embed_tokens" in n for n in tracked)
+    assert len(tracked) == len(names) - 1

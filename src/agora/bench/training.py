@@ -130,7 +130,7 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from agora.optim import lr_at
-    from agora.optim.curvature import CurvatureTracker, alarm_threshold
+    from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters
 
     m = base.with_overrides(**{"optimizer.name": "adamw", "optimizer.total_steps": opts.steps, "seed": seed,
                                "optimizer.lr": base.optimizer.lr * factor, **opts.overrides})
@@ -144,7 +144,7 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
     def after_step(model, opt, step: int) -> None:
         if (step + 1) % opts.curvature_every:
             return
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = tracked_parameters(list(model.named_parameters()))  # all but token embeddings
         if state["tracker"] is None:
             state["tracker"] = CurvatureTracker(params, hvps=opts.curvature_hvps, seed=seed)
         tracker = state["tracker"]

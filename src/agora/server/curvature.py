@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from agora.optim import lr_at
-from agora.optim.curvature import CurvatureTracker, alarm_threshold
+from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters
 
 
 @dataclass
@@ -44,8 +44,8 @@ class StageCurvature:
         # Measured on the first few sequences of a microbatch: a Hessian-vector product costs about two backward
         # passes, so on a whole microbatch 3 of them every 10 steps would cost ~15% of a 4-microbatch step.
         self.sequences = sequences
-        self.tracker = CurvatureTracker(list(runtime.stage.parameters()), hvps=hvps,
-                                        seed=runtime.manifest.seed * 1009 + runtime.stage_index)
+        self.params = tracked_parameters(list(runtime.stage.named_parameters()))
+        self.tracker = CurvatureTracker(self.params, hvps=hvps, seed=runtime.manifest.seed * 1009 + runtime.stage_index)
         self.sample: Optional[_Sample] = None
         self.alarms = 0
         self.skipped = 0
@@ -89,7 +89,10 @@ class StageCurvature:
 
     def _second_moments(self) -> tuple[list, float, int]:
         moments, step = [], 0
-        for q in self.rt.trained_parameters():
+        tracked = {id(p) for p in self.params}
+        for p, q in zip(self.rt.stage.parameters(), self.rt.trained_parameters()):
+            if id(p) not in tracked:
+                continue
             st = self.rt.optimizer.state.get(q, {})
             moments.append(st.get("exp_avg_sq"))
             if "exp_avg_sq" in st:
