@@ -68,15 +68,15 @@ def run(out: Path, options: Optional[AveragingOptions] = None, log: Callable[[st
     for seed in opts.seeds:
         manifest = demo_manifest(opts.preset, opts.stages, seed=seed)
         folder = out / f"seed{seed}"
-        log(f"[averaging] seed {seed}: centralized, {opts.preset}, {opts.steps} steps")
+        log(f"averaging: seed {seed}: centralized, {opts.preset}, {opts.steps} steps")
         central = train_local(manifest, opts.steps, folder / "centralized", val_batches=opts.val_batches,
                               shard=(0, 1))
         for condition in opts.conditions:
             for scheme in opts.schemes:
-                log(f"[averaging] seed {seed}: {scheme}, {condition}")
+                log(f"averaging: seed {seed}: {scheme}, {condition}")
                 arm = run_arm(folder / f"{scheme}-{condition}", opts, seed, scheme, condition, central)
                 arms.append(arm)
-                log(f"[averaging]   val {arm['val_loss']}, train {arm['train_s']:.0f}s, utilisation "
+                log(f"averaging:   val {arm['val_loss']}, train {arm['train_s']:.0f}s, utilisation "
                     f"{arm['utilisation']}, {arm['averaging_bytes_per_step']:.0f} B/step, consensus "
                     f"{arm['consensus_distance']}, longest stall {arm['longest_stall_s']:.1f}s")
                 _write(out, opts, arms)

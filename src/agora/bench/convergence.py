@@ -100,7 +100,7 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
     for seed in opts.seeds:
         manifest = demo_manifest(opts.preset, opts.stages, seed=seed)
         folder = out / f"seed{seed}"
-        log(f"[convergence] seed {seed}: centralized, {opts.preset}, {opts.steps} steps")
+        log(f"convergence: seed {seed}: centralized, {opts.preset}, {opts.steps} steps")
         central = train_local(manifest, opts.steps, folder / "centralized", val_batches=opts.val_batches,
                               eval_every=max(1, opts.steps // 5), shard=(0, 1))
         runs.append({"seed": seed, "row": "centralized", "tokens": central["tokens"], "val_loss": central["val_loss"],
@@ -109,7 +109,7 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
                      "curve": [[h["tokens"], h["loss"]] for h in central["history"]],
                      "val_curve": [[e["tokens"], e["val_loss"]] for e in central["evals"]]})
         for name, shape in shapes.items():
-            log(f"[convergence] seed {seed}: {name} ({_describe(shape)})")
+            log(f"convergence: seed {seed}: {name} ({_describe(shape)})")
             runs.append(_swarm_row(folder / name, opts, seed, name, shape, central))
             _write(out, opts, runs)
     result, md = _write(out, opts, runs)
