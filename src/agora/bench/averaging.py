@@ -10,7 +10,7 @@ validated on the same held-out batches once the stages applied every sample. Sch
 
 Reported per arm: validation loss (and its ratio to centralized and to ``full`` under the same condition), training
 wall time (trainers' start to the last completed microbatch), utilisation (median over stages of compute seconds
-over the training window), averaging bytes sent per optimizer step, consensus distance (median over nodes of the
+over the demo's whole wall time, start-up included: the demo summary's ``stage_utilisation``), averaging bytes sent per optimizer step, consensus distance (median over nodes of the
 last sampled spread they saw, ``AVERAGING.md``), the longest stall without a completed microbatch, and kills.
 """
 
