@@ -393,7 +393,7 @@ def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behi
 
     out = tmp_path / "chaos"
     options = DemoOptions(out=out, shape=SwarmShape(preset="tiny", stages=2, replicas=2, val_batches=2),
-                          stop=StopRule(steps=10**6, train_seconds=40, timeout=420), live=False,
+                          stop=StopRule(steps=10**6, train_seconds=44, timeout=420), live=False,
                           chaos=ChaosOptions(every_s=8.0, fault="mixed", stop_s=6.0), measure_divergence=True)
     try:
         summary = DemoRun(options).run()

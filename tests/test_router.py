@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -155,3 +156,32 @@ def test_a_broken_stream_is_retried_once_on_the_same_peer_then_elsewhere(replies
     stage.records[0].throughput = 1e6
     peer, (meta, _) = asyncio.run(router.call({}, []))
     assert calls == ["a", "a", "b"] and meta == {"from": "b"}
+
+
+def test_with_every_peer_tried_it_waits_for_the_records_to_change_before_calling_one_again(replies):
+    """A killed replica's record outlives it by up to its TTL: retries spent at once on it (and on a replica that
+    refused for a moment) would abandon the microbatch. With ``fallback_wait_s`` the router re-reads the records
+    until the stage's peers change, then calls the best of those left."""
+    script, calls = replies
+    script.update({"a": [transport.UNREACHABLE], "b": ["batch_full", {"from": "b"}]})
+    router, stage = _router(["a", "b"], max_retries=3, fallback_wait_s=5.0)
+    stage.records[0].throughput = 1e6  # the dead "a" looks fastest: without the wait it is called again
+    dead = stage.records[0]
+
+    async def expire_a():
+        stage.refreshes += 1
+        if stage.refreshes == 3:
+            stage.records.remove(dead)
+
+    stage.refresh = expire_a
+    peer, (meta, _) = asyncio.run(router.call({}, []))
+    assert calls == ["a", "b", "b"] and meta == {"from": "b"} and stage.refreshes == 3
+
+    # Nothing changes: it waits out ``fallback_wait_s`` once per retry, then calls a tried peer anyway (bounded).
+    calls.clear()
+    script.update({"a": [transport.UNREACHABLE], "b": ["batch_full"]})
+    router, stage = _router(["a", "b"], max_retries=2, fallback_wait_s=0.6)
+    t0 = time.monotonic()
+    with pytest.raises(RpcError) as err:
+        asyncio.run(router.call({}, []))
+    assert err.value.code == "retries_exhausted" and len(calls) == 3 and time.monotonic() - t0 >= 0.6

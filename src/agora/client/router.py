@@ -21,7 +21,7 @@ from agora.net import transport
 from agora.net.errors import CONNECTION_LOST
 from agora.net.protocol import BANNABLE, FWD_BWD, OVER_SHARE, RETRYABLE
 from agora.net.records import StageRecord
-from agora.net.routing import BanList, pick_peer_or_fallback
+from agora.net.routing import BanList, pick_peer, pick_peer_or_fallback
 from agora.net.transport import RpcError, TransferStats
 
 logger = logging.getLogger("agora.router")
@@ -48,6 +48,10 @@ class RouterOptions:
     backoff_per_attempt: bool = False  # the pause grows with the attempt number (else with that peer's failed tries)
     use_inflight: bool = True  # prefer peers with fewer of our own calls in flight (the trainer's many microbatches)
     ban_s: float = 15.0
+    # Before calling again a peer this request already tried (every other one failed or is banned), wait up to this
+    # long for a fresh one: a killed peer's record outlives it by up to its TTL, so retries spent at once on the
+    # dead peer and on a replica that refused for a moment abandon work that a short wait would have placed.
+    fallback_wait_s: float = 0.0
     retryable: frozenset = field(default=RETRYABLE)  # codes worth another replica; others are raised at once
     warn_when_empty: bool = True  # log once per request while the stage has no peer
 
@@ -114,6 +118,8 @@ class Router:
             if attempt and on_retry is not None and not redirected:
                 on_retry()
             peer = same or await self.pick(tried, job_tokens, stopped)
+            if peer is not None and peer is not same and peer.peer_id in tried and not redirected:
+                peer = await self._wait_for_fresh(peer, tried, job_tokens, stopped)
             if peer is None:
                 raise RpcError("no_peers", f"stage {self.stage} has no reachable peers (tried {len(tried)})")
             if peer.peer_id in tried and peer is not same and not redirected:
@@ -149,6 +155,28 @@ class Router:
                 on_failure()
         raise RpcError("retries_exhausted",
                        f"stage {self.stage}: {self.opts.max_retries} retries failed; last: {last_error}")
+
+    async def _wait_for_fresh(self, fallback: StageRecord, tried: list[str], job_tokens: int,
+                              stopped: Callable[[], bool]) -> Optional[StageRecord]:
+        """Every serving peer was tried (or is banned): wait up to ``fallback_wait_s`` for an untried, unbanned one
+        to appear, re-reading the records; as soon as the stage's peers change (a dead one's record expired, a peer
+        joined), or at the deadline, the best fallback among those then listed."""
+        if self.opts.fallback_wait_s <= 0:
+            return fallback
+        listed = {r.peer_id for r in self.source.candidates()}
+        deadline = time.monotonic() + self.opts.fallback_wait_s
+        logger.debug(f"stage {self.stage}: every peer was tried; waiting up to {self.opts.fallback_wait_s:.0f}s "
+                     f"for a fresh one before calling {fallback.peer_id[-8:]} again")
+        while time.monotonic() < deadline and not stopped():
+            await asyncio.sleep(0.5)
+            await self.source.refresh()
+            fresh = pick_peer(self.source.candidates(), job_tokens, exclude=tried, bans=self.bans,
+                              inflight=self.inflight if self.opts.use_inflight else None)
+            if fresh is not None:
+                return fresh
+            if {r.peer_id for r in self.source.candidates()} != listed:
+                break
+        return await self.pick(tried, job_tokens, stopped)
 
     async def _call_one(self, peer_id: str, meta: dict, tensors: list[torch.Tensor], rpc: str) -> Reply:
         self.inflight[peer_id] = self.inflight.get(peer_id, 0) + 1

@@ -42,6 +42,7 @@ class TrainerOptions:
     call_timeout_s: float = 120.0
     ban_s: float = 15.0
     status_every_s: float = 5.0
+    fallback_wait_s: float = 10.0  # a dead head's record lingers up to RECORD_TTL_S: wait that out (client/router.py)
     retry_backoff_s: float = 0.5  # pause before retrying a peer this microbatch already tried
 
 
@@ -106,7 +107,8 @@ class Trainer:
         self._p2p = await self.dht.replicate_p2p()
         options = RouterOptions(max_retries=self.opts.max_retries, timeout_s=self.opts.call_timeout_s,
                                 wait_for_peers_s=self.opts.call_timeout_s, backoff_s=self.opts.retry_backoff_s,
-                                backoff_per_attempt=True, ban_s=self.opts.ban_s, retryable=RETRYABLE | DOWNSTREAM, warn_when_empty=False)
+                                backoff_per_attempt=True, ban_s=self.opts.ban_s, fallback_wait_s=self.opts.fallback_wait_s,
+                                retryable=RETRYABLE | DOWNSTREAM, warn_when_empty=False)
         self.router = Router(self._p2p, self.manifest.run_id, 0, self, options, stats=self.transfer,
                              errors=self.stats.errors)
         await self.announce()  # stages of an allow-listed run serve only callers with a (certified) record

@@ -320,10 +320,11 @@ class DemoRun:
                 if dead:
                     raise RuntimeError(f"trainer {dead[0].name} exited early; see {dead[0].log}")
                 self.thaw()
-                if next_kill and time.time() >= next_kill:
-                    self.chaos_kill(snap)
-                    # On a fixed schedule (every ``every`` s from the start of training), so slow status reads or a
-                    # slow fault do not push later faults out of a run of fixed length; never two in a row.
+                # On a fixed schedule (every ``every`` s from the start of training), so slow status reads or a
+                # slow fault do not push later faults out of a run of fixed length; never two in a row. A fault
+                # with no peer to hit (every stage down to its last serving replica, a thawed peer still re-syncing)
+                # is tried again at the next read instead of being skipped.
+                if next_kill and time.time() >= next_kill and self.chaos_kill(snap):
                     next_kill = max(next_kill + every, time.time() + every / 2)
                 time.sleep(1.0)
         return False
@@ -371,10 +372,10 @@ class DemoRun:
         if self.options.on_tick:
             self.options.on_tick(snap)
 
-    def chaos_kill(self, snap: dict) -> None:
+    def chaos_kill(self, snap: dict) -> bool:
         """One chaos fault (``ChaosOptions.fault``): a random serving stage peer (which stage it serves is read
         from the DHT, since peers choose and move) is SIGKILLed and replaced by a node with ``--stage auto``, or
-        frozen for a while, or the bootstrap peer dies; nothing when no peer may be hit."""
+        frozen for a while, or the bootstrap peer dies. False (nothing done) when no peer may be hit now."""
         chaos = self.options.chaos
         fault = chaos.fault
         if fault == "mixed":
@@ -387,13 +388,13 @@ class DemoRun:
                 self.record.events.append(f"{t:.0f}s: chaos killed the bootstrap peer {boot.name}")
                 self.record.kills.append({"t": t, "fault": fault, "killed": boot.name, "peer_id": None,
                                           "stage": None, "replacement": None})
-                return
+                return True
             fault = "kill"  # it is gone already: kill a stage peer instead
         frozen = frozenset(k["peer_id"] for k in self.record.kills
                            if k["fault"] == "stop" and k["killed"] in {v.name for v, _ in self.frozen})
         candidates = _chaos_candidates(self.swarm, snap, chaos.kill_last, frozen)
         if not candidates:
-            return
+            return False
         victim, peer_id, stage = self.rng.choice(candidates)
         if fault == "stop":
             victim.signal_group(signal.SIGSTOP)
@@ -401,7 +402,7 @@ class DemoRun:
             self.record.events.append(f"{t:.0f}s: chaos froze {victim.name} (stage {stage}) for {chaos.stop_s:g}s")
             self.record.kills.append({"t": t, "fault": fault, "killed": victim.name, "peer_id": peer_id,
                                       "stage": stage, "replacement": None, "frozen_s": chaos.stop_s})
-            return
+            return True
         if fault == "kill-main":
             self.killed_helpers.append((victim.kill_main(), time.monotonic() + ORPHAN_GRACE_S))
         else:
@@ -413,6 +414,7 @@ class DemoRun:
                                   f"{replacement.name} with --stage auto")
         self.record.kills.append({"t": t, "fault": fault, "killed": victim.name, "peer_id": peer_id, "stage": stage,
                                   "replacement": replacement.name})
+        return True
 
     def thaw(self, everyone: bool = False) -> None:
         """SIGCONT frozen peers whose time is up (``everyone``: all of them, before the demo stops)."""
