@@ -185,3 +185,78 @@ def test_with_every_peer_tried_it_waits_for_the_records_to_change_before_calling
     with pytest.raises(RpcError) as err:
         asyncio.run(router.call({}, []))
     assert err.value.code == "retries_exhausted" and len(calls) == 3 and time.monotonic() - t0 >= 0.6
+
+
+@pytest.fixture
+def slow_replies(monkeypatch):
+    """Per peer: (delay in seconds, outcome). Records calls and which of them were cancelled."""
+    script: dict[str, tuple[float, object]] = {}
+    calls: list[str] = []
+    cancelled: list[str] = []
+
+    async def fake_call(p2p, peer_id, namespace, name, meta, tensors, timeout, stats=None):
+        calls.append(peer_id)
+        delay, outcome = script[peer_id]
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            cancelled.append(peer_id)
+            raise
+        if isinstance(outcome, str):
+            raise RpcError(outcome, f"{peer_id} says {outcome}")
+        return outcome, []
+
+    monkeypatch.setattr(transport, "call", fake_call)
+    return script, calls, cancelled
+
+
+def test_a_slow_call_is_hedged_to_another_replica_and_the_first_answer_wins(slow_replies):
+    """A frozen replica: past ``hedge_factor`` x its typical latency (at least ``hedge_min_s``) the call also goes to
+    another replica; its answer wins, the frozen one's call is cancelled and the frozen peer is routed around."""
+    script, calls, cancelled = slow_replies
+    script.update({"a": (30.0, {"from": "a"}), "b": (0.01, {"from": "b"})})
+    router, stage = _router(["a", "b"], hedge_factor=4.0, hedge_min_s=0.2, timeout_s=30.0)
+    stage.records[0].throughput = 1e6  # "a" is picked first
+    router.latency.update({"a": 0.01})  # it used to answer in 10 ms: hedged after max(0.2, 0.04) s
+    t0 = time.monotonic()
+    peer, (meta, _) = asyncio.run(router.call({}, []))
+    took = time.monotonic() - t0
+    assert peer.peer_id == "b" and meta == {"from": "b"} and calls == ["a", "b"] and cancelled == ["a"]
+    assert 0.2 <= took < 2.0 and router.hedges == router.hedges_won == 1
+    assert router.bans.banned("a") and router.acks == {"b": 1}
+
+
+def test_a_call_answered_in_time_is_not_hedged_and_an_unmeasured_stage_is_never_hedged(slow_replies):
+    script, calls, cancelled = slow_replies
+    script.update({"a": (0.05, {"from": "a"}), "b": (0.01, {"from": "b"})})
+    router, stage = _router(["a", "b"], hedge_factor=4.0, hedge_min_s=0.5)
+    stage.records[0].throughput = 1e6
+    assert router.hedge_after("a") is None  # nothing measured yet: the call waits for its timeout as before
+    peer, _ = asyncio.run(router.call({}, []))
+    assert peer.peer_id == "a" and router.hedge_after("a") == 0.5 and router.hedge_after("b") == 0.5
+    peer, _ = asyncio.run(router.call({}, []))
+    assert peer.peer_id == "a" and calls == ["a", "a"] and router.hedges == 0 and cancelled == []
+    off, _ = _router(["a"], hedge_factor=0.0)
+    off.latency["a"] = 0.01
+    assert off.hedge_after("a") is None
+
+
+def test_a_hedged_call_whose_first_peer_answers_first_lifts_its_ban_and_both_failing_fails_the_attempt(slow_replies):
+    script, calls, cancelled = slow_replies
+    script.update({"a": (0.4, {"from": "a"}), "b": (5.0, {"from": "b"})})
+    router, stage = _router(["a", "b"], hedge_factor=1.0, hedge_min_s=0.1)
+    stage.records[0].throughput = 1e6
+    router.latency["a"] = 0.1
+    peer, _ = asyncio.run(router.call({}, []))
+    assert peer.peer_id == "a" and calls == ["a", "b"] and cancelled == ["b"]
+    assert router.hedges == 1 and router.hedges_won == 0 and not router.bans.banned("a")
+
+    calls.clear()
+    script.update({"a": (0.3, transport.TIMEOUT), "b": (0.05, "not_serving")})
+    router, stage = _router(["a", "b"], max_retries=0, hedge_factor=1.0, hedge_min_s=0.1)
+    stage.records[0].throughput = 1e6
+    router.latency["a"] = 0.1
+    with pytest.raises(RpcError) as err:
+        asyncio.run(router.call({}, []))
+    assert err.value.code == "retries_exhausted" and calls == ["a", "b"]
+    assert router.errors == {"not_serving": 1, transport.TIMEOUT: 1}

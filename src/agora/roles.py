@@ -258,6 +258,12 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "share_redirects": sum(s.share_redirects for s in syncs),
         "share_overflows": sum(s.share_overflows for s in syncs),
         "duplicate_microbatches": node.handler.exactly_once.duplicates,
+        # Training requests dropped before they committed: their callers had gone (a hedge won elsewhere) or this
+        # process was frozen while they were in flight (server/freeze.py); and the freezes themselves.
+        "dropped_microbatches": node.handler.dropped,
+        "hedges_downstream": node.downstream.router.hedges if node.downstream is not None else 0,
+        "freezes": node.freeze.epoch,
+        "frozen_s": round(node.freeze.frozen_s, 3),
         "aborted_rounds": sum(s.aborted_rounds for s in syncs),
         "averaging_bytes_sent": sum(s.bytes_sent for s in syncs),
         # DiLoCo: outer steps taken alone (no partner alive, or the round failed) and the seconds outer rounds
@@ -353,6 +359,9 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endp
             "tokens": out["stats"]["tokens"],
             "microbatches": out["stats"]["counts"],
             "errors": out["stats"]["errors"],
+            # Microbatches also sent to a second head because the first was slow, and how many the second won.
+            "hedges": trainer.router.hedges if trainer.router is not None else 0,
+            "hedges_won": trainer.router.hedges_won if trainer.router is not None else 0,
             "loss_curve": out["stats"]["loss_curve"],
             "started_at": trainer.started_at,  # unix time of the loss curve's wall_s = 0
             "val_loss": out["val_loss"],

@@ -52,6 +52,11 @@ class RouterOptions:
     # long for a fresh one: a killed peer's record outlives it by up to its TTL, so retries spent at once on the
     # dead peer and on a replica that refused for a moment abandon work that a short wait would have placed.
     fallback_wait_s: float = 0.0
+    # Hedging: a call outstanding longer than ``hedge_factor`` x the peer's typical latency (never sooner than
+    # ``hedge_min_s``) is sent to another replica as well; the first answer wins and the other call is cancelled
+    # (its peer drops the microbatch before applying it: server/exactly_once.py ``wanted``). 0: never hedge.
+    hedge_factor: float = 0.0
+    hedge_min_s: float = 3.0
     retryable: frozenset = field(default=RETRYABLE)  # codes worth another replica; others are raised at once
     warn_when_empty: bool = True  # log once per request while the stage has no peer
 
@@ -74,6 +79,10 @@ class Router:
         self.errors = errors if errors is not None else {}
         self.bans = BanList(options.ban_s)
         self.inflight: dict[str, int] = {}
+        self.latency: dict[str, float] = {}  # per peer: moving average of its successful calls' durations (s)
+        self.typical_latency: Optional[float] = None  # the same over every peer of the stage
+        self.hedges = 0  # calls also sent to another replica because the first one was slow
+        self.hedges_won = 0  # of those, how many the other replica answered first
         # Receiver-side acknowledgements: how many results each peer delivered to us. Published in the DHT under our
         # own id, so a peer's acknowledged work is vouched for by others, never by itself.
         self.acks: dict[str, int] = acks if acks is not None else {}
@@ -127,7 +136,8 @@ class Router:
                 await asyncio.sleep(self.opts.backoff_s * factor)
             same, redirected = None, False
             try:
-                reply = await self._call_one(peer.peer_id, dict(meta, attempt=attempt), tensors, rpc)
+                peer, reply = await self._call_hedged(peer, dict(meta, attempt=attempt), tensors, rpc, tried,
+                                                      job_tokens)
             except RpcError as err:
                 attempt += 1
                 last_error = err
@@ -178,13 +188,72 @@ class Router:
                 break
         return await self.pick(tried, job_tokens, stopped)
 
+    def hedge_after(self, peer_id: str) -> Optional[float]:
+        """Seconds after which a call to ``peer_id`` is hedged: ``hedge_factor`` x its typical latency (the
+        stage's while it has none), at least ``hedge_min_s``; None when hedging is off or nothing was measured."""
+        if self.opts.hedge_factor <= 0:
+            return None
+        typical = self.latency.get(peer_id, self.typical_latency)
+        if typical is None:
+            return None
+        return min(self.opts.timeout_s, max(self.opts.hedge_min_s, self.opts.hedge_factor * typical))
+
+    async def _call_hedged(self, peer: StageRecord, meta: dict, tensors: list[torch.Tensor], rpc: str,
+                           tried: list[str], job_tokens: int) -> tuple[StageRecord, Reply]:
+        """One attempt on ``peer``; past :meth:`hedge_after` also on the best other replica, first answer wins.
+        The slow peer is banned (routed around) until it answers; a failure of the hedge is only recorded, the
+        attempt fails with the first peer's error."""
+        first = asyncio.ensure_future(self._call_one(peer.peer_id, meta, tensors, rpc))
+        after = self.hedge_after(peer.peer_id)
+        second: Optional[asyncio.Future] = None
+        try:
+            if after is not None:
+                await asyncio.wait({first}, timeout=after)
+            if first.done() or after is None:
+                return peer, await first
+            other = pick_peer(self.source.candidates(), job_tokens, exclude=[*tried, peer.peer_id], bans=self.bans,
+                              inflight=self.inflight if self.opts.use_inflight else None)
+            if other is None:
+                return peer, await first
+            self.hedges += 1
+            self.bans.ban(peer.peer_id)
+            logger.info(f"stage {self.stage} peer {peer.peer_id[-8:]} has not answered in {after:.1f}s; "
+                        f"hedging to {other.peer_id[-8:]}")
+            second = asyncio.ensure_future(self._call_one(other.peer_id, meta, tensors, rpc))
+            owner = {first: peer, second: other}
+            pending = {first, second}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        if task is first:
+                            self.bans.lift(peer.peer_id)
+                        else:
+                            self.hedges_won += 1
+                        return owner[task], task.result()
+                    if task is second:
+                        err = task.exception()
+                        code = getattr(err, "code", transport.INTERNAL)
+                        self.errors[code] = self.errors.get(code, 0) + 1
+                        tried.append(other.peer_id)
+            return peer, first.result()  # both failed: the attempt fails with the first peer's error
+        finally:
+            for task in (first, second):
+                if task is not None and not task.done():
+                    task.cancel()
+
     async def _call_one(self, peer_id: str, meta: dict, tensors: list[torch.Tensor], rpc: str) -> Reply:
         self.inflight[peer_id] = self.inflight.get(peer_id, 0) + 1
+        started = time.monotonic()
         try:
-            return await transport.call(self.p2p, peer_id, self.namespace, rpc, meta, tensors, self.opts.timeout_s,
-                                        stats=self.stats)
+            reply = await transport.call(self.p2p, peer_id, self.namespace, rpc, meta, tensors, self.opts.timeout_s,
+                                         stats=self.stats)
         finally:
             self.inflight[peer_id] -= 1
+        took = time.monotonic() - started
+        self.latency[peer_id] = took if peer_id not in self.latency else 0.8 * self.latency[peer_id] + 0.2 * took
+        self.typical_latency = took if self.typical_latency is None else 0.9 * self.typical_latency + 0.1 * took
+        return reply
 
     def _failed(self, peer_id: str, err: RpcError, tried: list[str], attempt: int) -> None:
         """Classify a failed call: raise it if no replica can do better, else remember the peer (and ban it when

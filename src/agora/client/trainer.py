@@ -43,6 +43,8 @@ class TrainerOptions:
     ban_s: float = 15.0
     status_every_s: float = 5.0
     fallback_wait_s: float = 10.0  # a dead head's record lingers up to RECORD_TTL_S: wait that out (client/router.py)
+    hedge_factor: float = 4.0  # a microbatch slower than this x the head's typical latency is hedged (router.py)
+    hedge_min_s: float = 3.0
     retry_backoff_s: float = 0.5  # pause before retrying a peer this microbatch already tried
 
 
@@ -108,6 +110,7 @@ class Trainer:
         options = RouterOptions(max_retries=self.opts.max_retries, timeout_s=self.opts.call_timeout_s,
                                 wait_for_peers_s=self.opts.call_timeout_s, backoff_s=self.opts.retry_backoff_s,
                                 backoff_per_attempt=True, ban_s=self.opts.ban_s, fallback_wait_s=self.opts.fallback_wait_s,
+                                hedge_factor=self.opts.hedge_factor, hedge_min_s=self.opts.hedge_min_s,
                                 retryable=RETRYABLE | DOWNSTREAM, warn_when_empty=False)
         self.router = Router(self._p2p, self.manifest.run_id, 0, self, options, stats=self.transfer,
                              errors=self.stats.errors)

@@ -430,6 +430,9 @@ class DemoRun:
     def after_training(self) -> None:
         """Note a timeout; else, if asked, stop the trainers, then compare the replicas' parameters and export and
         sample the trained model."""
+        # Chaos ends with training: a peer frozen near the end would hold the trainers' last calls (and its own
+        # leave) until the stop; thawed now, the trainers settle and leave as after any freeze.
+        self.thaw(everyone=True)
         if not self.record.finished:
             self.record.events.append(f"timeout after {self.options.stop.timeout:.0f}s")
             return

@@ -196,6 +196,7 @@ def _microbatch_counts(trainers: list[dict]) -> dict[str, int]:
     for t in trainers:
         for k in counts:
             counts[k] += int(t.get("microbatches", {}).get(k, 0))
+    counts["hedged"] = sum(int(t.get("hedges", 0)) for t in trainers)  # sent to a second head (client/router.py)
     return counts
 
 
@@ -249,6 +250,8 @@ def _node_row(child: Child, s: dict) -> dict:
             "aborted_rounds": s.get("aborted_rounds", 0), "local_steps": s.get("local_steps", 0),
             "share_redirects": s.get("share_redirects", 0),
             "duplicate_microbatches": s.get("duplicate_microbatches", 0), "incoming": s.get("incoming"),
+            "dropped_microbatches": s.get("dropped_microbatches", 0), "freezes": s.get("freezes", 0),
+            "frozen_s": s.get("frozen_s", 0.0), "hedges_downstream": s.get("hedges_downstream", 0),
             "curvature": s.get("curvature"), "consensus_distance": s.get("consensus_distance"),
             "utilisation": s.get("utilisation")}
 

@@ -30,6 +30,10 @@ class BanList:
     def ban(self, peer_id: str, now: Optional[float] = None) -> None:
         self.until[peer_id] = (now or time.monotonic()) + self.duration_s
 
+    def lift(self, peer_id: str) -> None:
+        """The peer answered after all: use it again now."""
+        self.until.pop(peer_id, None)
+
     def banned(self, peer_id: str, now: Optional[float] = None) -> bool:
         t = self.until.get(peer_id)
         if t is None:

@@ -36,6 +36,7 @@ class ExactlyOnce:
     def __init__(self, max_bytes: int = 64 << 20, max_entries: int = 1024, keep_s: float = 300.0):
         self.max_bytes, self.max_entries, self.keep_s = max_bytes, max_entries, keep_s
         self.running: dict[Hashable, asyncio.Task] = {}
+        self.waiters: dict[Hashable, int] = {}  # callers awaiting each run now
         self.done: OrderedDict[Hashable, tuple[float, int, Reply]] = OrderedDict()
         self.bytes = 0
         self.duplicates = 0  # retries answered without running the microbatch again
@@ -57,8 +58,20 @@ class ExactlyOnce:
         else:
             self.duplicates += 1
         # The caller may go away (its stream closes and this coroutine is cancelled): the run goes on, and a retry
-        # finds it.
-        return await asyncio.shield(task)
+        # finds it. A run nobody awaits any more drops its work at its commit point (see ``wanted``).
+        self.waiters[key] = self.waiters.get(key, 0) + 1
+        try:
+            return await asyncio.shield(task)
+        finally:
+            self.waiters[key] -= 1
+            if not self.waiters[key]:
+                del self.waiters[key]
+
+    def wanted(self, key: Optional[Hashable]) -> bool:
+        """Whether a caller still awaits the run of ``key`` (always, for an unlabelled request). A caller that
+        went away either hedged the microbatch to another replica, which applies it, or will retry it here, which
+        runs it again: either way this run must not commit it."""
+        return key is None or self.waiters.get(key, 0) > 0
 
     def _finished(self, key: Hashable, task: asyncio.Task) -> None:
         self.running.pop(key, None)

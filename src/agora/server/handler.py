@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from hivemind.p2p import PeerID
@@ -95,6 +95,7 @@ class StageHandler:
         self.hold_limit_s = node.opts.hop_timeout_s / 2
         self.largest_request = largest_request_bytes(self.manifest)
         self.exactly_once = ExactlyOnce()
+        self.dropped = 0  # training requests dropped at their commit point (caller gone, or this process frozen)
 
     async def register(self, p2p) -> None:
         """Serve the RPCs. Each request's header is admitted (``admit_compute`` / ``admit_state`` / ``admit_info``)
@@ -226,7 +227,8 @@ class StageHandler:
         if not rt.is_head and train:
             await self._screen_activations(sender, meta, tensors)
         key = microbatch_key(sender, meta) if train else None  # a retry is not accumulated twice (exactly_once.py)
-        return await self.exactly_once.run(key, lambda: self.process(rt, meta, tensors, train))
+        return await self.exactly_once.run(key, lambda: self.process(rt, meta, tensors, train,
+                                                                     wanted=lambda: self.exactly_once.wanted(key)))
 
     async def _audit(self, rt: StageRuntime, tensors: list[torch.Tensor]):
         """Recompute for a replica's receiver; nothing here trains on it, so it is not screened either."""
@@ -247,11 +249,16 @@ class StageHandler:
             raise self.reject("sentinel", "activations flagged as corrupted by SENTINEL")
 
     # ------------------------------------------------------------------ one microbatch through this stage
-    async def process(self, rt: StageRuntime, meta: dict, tensors: list[torch.Tensor], train: bool):
+    async def process(self, rt: StageRuntime, meta: dict, tensors: list[torch.Tensor], train: bool,
+                      wanted: Callable[[], bool] = lambda: True):
         """Forward here, the rest of the pipeline downstream, backward here; the reply goes upstream."""
         node, counters = self.node, self.node.counters
         generation, downstream = rt.generation, node.downstream  # this request belongs to the stage served now
         rt.check_generation(generation)
+        if train and node.freeze.refusing():
+            raise RpcError("not_serving", f"this peer was just frozen for {node.freeze.last_freeze_s:.0f}s; it takes "
+                                          f"no training work for a moment")
+        epoch = node.freeze.epoch
         sync, samples = node.sync, int(tensors[-1].shape[0])
         if train and sync is not None:  # one target batch per step (ReplicaSync.batch_open)
             attempt = meta.get("attempt", 0)  # the sender's attempt (client/router.py); a retry is never redirected
@@ -259,6 +266,7 @@ class StageHandler:
                                       first_attempt=not (isinstance(attempt, int) and attempt > 0))
             try:
                 rt.check_generation(generation)  # the node may have moved while this waited
+                self._commit_or_drop(epoch, wanted)  # or its caller left (a hedge won elsewhere), or we were frozen
             except BaseException:
                 sync.release(samples)
                 raise
@@ -271,13 +279,18 @@ class StageHandler:
             counters.tokens += pending.tokens.numel() if train else 0
             counters.eval += 0 if train else 1
             if rt.is_tail:
+                if train:
+                    self._commit_or_drop(epoch, wanted)
                 return await self._finish_tail(rt, pending, loss, train)
             boundary = rt.boundary(pending)
+            if train:  # nobody waits for it (a hedge won elsewhere): the next stages must not apply it either
+                self._commit_or_drop(epoch, wanted)
             down_meta, down_tensors = await downstream.send(meta, boundary, tensors[-1], pending.version)
             path = [node.peer_id, *down_meta.get("path", [])]
             if not train:
                 return {"loss": down_meta.get("loss"), "path": path}, []
             grad = self._checked_gradient(down_tensors, boundary.coords.shape)
+            self._commit_or_drop(epoch, wanted)
             node.queue += 1
             grad_in = await node.run_compute(rt.backward, pending, grad)
             node.queue -= 1
@@ -291,6 +304,19 @@ class StageHandler:
             if train and sync is not None:
                 sync.release(samples)
             node.queue = max(0, node.queue)
+
+    def _commit_or_drop(self, epoch: int, wanted: Callable[[], bool]) -> None:
+        """Before a training microbatch goes on (downstream, or into the accumulated gradient): drop it if its
+        caller went away (a hedge to another replica won) or this process was frozen meanwhile (its caller retried
+        it elsewhere)."""
+        node = self.node
+        if node.freeze.stale(epoch):
+            self.dropped += 1
+            raise RpcError("not_serving", f"this peer was frozen for {node.freeze.last_freeze_s:.0f}s while the "
+                                          f"microbatch was in flight; dropped")
+        if not wanted():
+            self.dropped += 1
+            raise RpcError("leaving", "the caller went away before this microbatch was applied; dropped")
 
     async def _finish_tail(self, rt: StageRuntime, pending: Pending, loss, train: bool):
         grad_in = None

@@ -40,6 +40,7 @@ from agora.server.averaging.sync import ReplicaSync, SyncContext
 from agora.server.checkpoint import load_stage_checkpoint
 from agora.server.state_access import StateAccess
 from agora.server.downstream import Downstream, DownstreamHooks
+from agora.server.freeze import FreezeWatch
 from agora.server.handler import StageHandler, largest_request_bytes
 from agora.server.inference import InferenceSessions
 from agora.server.observers import Observers
@@ -66,6 +67,10 @@ class NodeOptions:
     max_retries: int = 3
     wait_for_peers_s: float = 60.0  # how long a hop waits for an empty next stage before giving up
     ban_s: float = 15.0
+    # A hop outstanding longer than this many times the next peer's typical latency (at least ``hedge_min_s``) is
+    # also sent to another replica of the next stage (client/router.py); 0 turns hedging off.
+    hedge_factor: float = 4.0
+    hedge_min_s: float = 3.0
     averaging_timeout_s: float = 20.0
     stall_step_s: float = 10.0  # step with what we have if no new samples arrived for this long
     checkpoint_dir: Optional[str] = None
@@ -141,6 +146,7 @@ class StageNode:
         self.maddrs: list[str] = []  # where others can dial this peer (announced: any live peer is a way in)
         self._p2p = None
         self._tasks: list[asyncio.Task] = []
+        self.freeze = FreezeWatch()  # a freeze (SIGSTOP, suspend) drops the training work this process held
         self._sync_task: Optional[asyncio.Task] = None
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)
@@ -214,7 +220,8 @@ class StageNode:
     def _new_downstream(self) -> Downstream:
         o, n_stages = self.opts, self.manifest.n_stages
         options = RouterOptions(max_retries=o.max_retries, timeout_s=o.hop_timeout_s * (n_stages - self.stage_index - 1),
-                                wait_for_peers_s=o.wait_for_peers_s, backoff_s=0.5, ban_s=o.ban_s, use_inflight=False)
+                                wait_for_peers_s=o.wait_for_peers_s, backoff_s=0.5, ban_s=o.ban_s, use_inflight=False,
+                                hedge_factor=o.hedge_factor, hedge_min_s=o.hedge_min_s)
         hooks = DownstreamHooks(run_io=self.run_io, is_leaving=lambda: self.state == PeerState.LEAVING,
                                  screening=self.screening, counters=self.counters, stats=self.stats_out, acks=self.acks)
         return Downstream(self.manifest, self.stage_index, self.dht, self._p2p, options, hooks)
@@ -240,6 +247,7 @@ class StageNode:
         self._tasks.append(asyncio.create_task(self._refresh_next_loop(), name="refresh-next"))
         self._tasks.append(asyncio.create_task(self.inference.run(), name="inference-expiry"))
         self._tasks.append(asyncio.create_task(self._witness_loop(), name="state-ledger"))
+        self._tasks.append(asyncio.create_task(self.freeze.run(), name="freeze-watch"))
         await self._join_stage()
         if self.opts.rebalance_every_s > 0:
             self._tasks.append(asyncio.create_task(self.rebalancer.run(), name="rebalance"))

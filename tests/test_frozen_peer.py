@@ -1,0 +1,45 @@
+"""A frozen peer (SIGSTOP of its whole process group, as a closed laptop lid looks from outside) stalls nobody for
+long: calls to it are hedged to its other replica, and when it wakes it drops what it held (server/freeze.py)."""
+
+from __future__ import annotations
+
+import time
+
+from swarm_util import kill_pids, processes_mentioning
+
+
+def test_a_frozen_replica_is_hedged_around_and_drops_its_in_flight_work_when_it_wakes(tmp_path):
+    from agora.lab.demo import ChaosOptions, DemoOptions, DemoRun, StopRule, SwarmShape
+
+    out = tmp_path / "frozen"
+    options = DemoOptions(out=out, shape=SwarmShape(preset="tiny", stages=2, replicas=2, val_batches=2),
+                          stop=StopRule(steps=10**6, train_seconds=30, timeout=360), live=False,
+                          chaos=ChaosOptions(every_s=12.0, fault="stop", stop_s=14.0), measure_divergence=True)
+    try:
+        summary = DemoRun(options).run()
+    finally:
+        time.sleep(1)
+        leftovers = processes_mentioning(str(out))
+        kill_pids(leftovers)
+    assert leftovers == [] and summary["finished"]
+    freezes = summary["chaos_kills"]
+    assert freezes and all(k["fault"] == "stop" for k in freezes), freezes
+    nodes = {n["name"]: n for n in summary["nodes"]}
+    # The first victim (frozen the full 14 s; later ones may be thawed early, when training ends) noticed its
+    # freeze when it woke: the monotonic clock ran on while it was stopped.
+    first = nodes[freezes[0]["killed"]]
+    assert first["freezes"] >= 1 and first["frozen_s"] >= 10.0, first
+    # Calls to the frozen peer were hedged (the trainer's to a head, or a head's to a tail) instead of waiting for
+    # the 30 s timeout, so the pipeline went on. Not below 10 s (the issue's target) here: a replica frozen in the
+    # middle of an all-reduce holds its partner in the round for hivemind's sender + reducer timeouts (15 s).
+    mb = summary["microbatches"]
+    hedged = mb["hedged"] + sum(n["hedges_downstream"] for n in summary["nodes"])
+    assert hedged >= 1, (mb, nodes)
+    train_end = summary["train_started_s"] + 30.0
+    done = [c[1] for c in summary["completions"] if freezes[0]["t"] - 2.0 < c[1] <= train_end]
+    gaps = [b - a for a, b in zip(done, done[1:])] + [train_end - done[-1]]
+    assert max(gaps) < 25.0, (gaps, freezes)
+    assert mb["abandoned"] <= mb["completed"] // 5, mb
+    div = summary["replica_divergence"]
+    compared = [v for v in div["stages"].values() if v["replicas"] >= 2]
+    assert div["settled"] and all(v["max_abs_diff"] < 1e-6 for v in compared), div
