@@ -145,3 +145,21 @@ async def train_in_waves(manifest, boot, nodes, waves: int, after_wave=None, set
         return losses
     finally:
         trainer.close()
+
+
+def run_chaos_demo(out, chaos, train_seconds: float, timeout: float = 420) -> dict:
+    """A ``tiny`` 2 x 2 demo (real processes) under ``chaos`` for ``train_seconds``, replicas compared at the end;
+    asserts that no process of the run is left (those found are killed by PID first) and returns the summary."""
+    from agora.lab.demo import DemoOptions, DemoRun, StopRule, SwarmShape
+
+    options = DemoOptions(out=out, shape=SwarmShape(preset="tiny", stages=2, replicas=2, val_batches=2),
+                          stop=StopRule(steps=10**6, train_seconds=train_seconds, timeout=timeout), live=False,
+                          chaos=chaos, measure_divergence=True)
+    try:
+        summary = DemoRun(options).run()
+    finally:
+        time.sleep(1)
+        leftovers = processes_mentioning(str(out))
+        kill_pids(leftovers)
+    assert leftovers == [], leftovers
+    return summary

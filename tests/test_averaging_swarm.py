@@ -53,6 +53,9 @@ async def _train(man, steps: int, check_each_step=None):
 async def _identical(heads, step):
     a, b = heads
     assert a.step == b.step == step, (a.step, b.step)
+    # The step counter moves inside the compute thread's step, before the fingerprint of its result is set: wait
+    # for the step to be complete on both.
+    await _wait(lambda: a.sync.fingerprint_step == b.sync.fingerprint_step == step, 10, f"step {step} to complete")
     for (name, pa), pb in zip(a.stage.named_parameters(), b.stage.parameters()):
         assert torch.equal(pa, pb), f"step {step}: {name} differs by {(pa - pb).abs().max().item():.3g}"
     assert a.sync.fingerprint == b.sync.fingerprint

@@ -3,25 +3,14 @@ long: calls to it are hedged to its other replica, and when it wakes it drops wh
 
 from __future__ import annotations
 
-import time
-
-from swarm_util import kill_pids, processes_mentioning
+from swarm_util import run_chaos_demo
 
 
 def test_a_frozen_replica_is_hedged_around_and_drops_its_in_flight_work_when_it_wakes(tmp_path):
-    from agora.lab.demo import ChaosOptions, DemoOptions, DemoRun, StopRule, SwarmShape
+    from agora.lab.demo import ChaosOptions
 
-    out = tmp_path / "frozen"
-    options = DemoOptions(out=out, shape=SwarmShape(preset="tiny", stages=2, replicas=2, val_batches=2),
-                          stop=StopRule(steps=10**6, train_seconds=30, timeout=360), live=False,
-                          chaos=ChaosOptions(every_s=12.0, fault="stop", stop_s=14.0), measure_divergence=True)
-    try:
-        summary = DemoRun(options).run()
-    finally:
-        time.sleep(1)
-        leftovers = processes_mentioning(str(out))
-        kill_pids(leftovers)
-    assert leftovers == [] and summary["finished"]
+    summary = run_chaos_demo(tmp_path / "frozen", ChaosOptions(every_s=12.0, fault="stop", stop_s=14.0), 30)
+    assert summary["finished"]
     freezes = summary["chaos_kills"]
     assert freezes and all(k["fault"] == "stop" for k in freezes), freezes
     nodes = {n["name"]: n for n in summary["nodes"]}
