@@ -262,7 +262,7 @@ def test_peer_moves_to_the_bottleneck_stage_and_back_if_it_cannot_sync(monkeypat
     man = MAN.with_overrides(**{"security.state_access.period_s": period})
     plain = NodeOptions(stall_step_s=1e9, averaging_timeout_s=10.0)
     rebalancing = NodeOptions(stall_step_s=1e9, averaging_timeout_s=10.0, rebalance_every_s=1.0,
-                              rebalance_dwell_s=3.0, drain_timeout_s=5.0)
+                              rebalance_dwell_s=3.0, rebalance_confirm_s=2.0, drain_timeout_s=5.0)
 
     async def main():
         async with cluster(man) as c:
@@ -405,8 +405,9 @@ def test_chaos_demo_keeps_training_replicas_identical_and_leaves_no_process_behi
     mb = summary["microbatches"]
     assert mb["completed"] >= 20 and mb["submitted"] == mb["completed"] + mb["abandoned"]
     assert mb["abandoned"] <= mb["completed"] // 5, mb
-    # Completions keep coming: no gap longer than the slowest failure path (a kill, a retry, a timeout).
-    done = [c[1] for c in summary["completions"]]
+    # Completions keep coming: no gap longer than the slowest failure path (a kill, a retry, a timeout). Within the
+    # training window: microbatches in flight when it ends complete whenever the stop lets them.
+    done = [c[1] for c in summary["completions"] if c[1] <= summary["train_started_s"] + 44]
     assert max(b - a for a, b in zip(done, done[1:])) < 30.0
     assert any(t > kills[0]["t"] + 10 for t in done)  # well after the bootstrap peer died
     killed = {k["killed"] for k in kills}

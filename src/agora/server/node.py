@@ -86,6 +86,7 @@ class NodeOptions:
     # serving or last moved (measurements of a fresh stage need time to settle).
     rebalance_every_s: float = 0.0
     rebalance_dwell_s: float = 30.0
+    rebalance_confirm_s: float = 45.0  # the same move must be planned at every check for this long (rebalance.py)
     min_move_gain: float = 1.3
     # Generation sessions (``infer`` RPC, server/inference.py): KV-cache bytes all sessions together may reserve
     # (a new session beyond it is refused with ``busy``), and how long an unused session is kept.

@@ -37,6 +37,12 @@ class Rebalancer:
         self.node = node
         self.lock_claimed = False
         self.waiting_for_depth = False
+        self.clock = time.monotonic
+        # The move the plan has named for us at every read since ``planned_since`` (None: none). A move is made only
+        # once the plan held for ``rebalance_confirm_s``: a stage that looks weak because a replica is frozen for a
+        # while (a laptop lid) or restarting must not pull a peer away from its own stage, and back.
+        self.planned: Optional[tuple[int, int]] = None
+        self.planned_since = 0.0
 
     async def run(self) -> None:
         node = self.node
@@ -70,8 +76,17 @@ class Rebalancer:
         swarm = await node.run_io(read_swarm, node.dht, m.run_id, m.n_stages, m.hash)
         plan = plan_rebalance(swarm, node.opts.min_move_gain)
         if plan is None or plan[0] != node.peer_id or plan[1].from_stage != node.stage_index:
+            self.planned = None
             return None
         move = plan[1]
+        now = self.clock()
+        if self.planned != (move.from_stage, move.to_stage):
+            self.planned, self.planned_since = (move.from_stage, move.to_stage), now
+        if now - self.planned_since < node.opts.rebalance_confirm_s:
+            logger.info(f"rebalancing: stage {move.to_stage} is the bottleneck (x{move.gain:.2f}); moving there if "
+                        f"that still holds {node.opts.rebalance_confirm_s - (now - self.planned_since):.0f}s from now")
+            return None
+        self.planned = None
         if not await self.claim_lock(move):
             return None
         try:
