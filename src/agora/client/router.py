@@ -87,6 +87,10 @@ class Router:
         # own id, so a peer's acknowledged work is vouched for by others, never by itself.
         self.acks: dict[str, int] = acks if acks is not None else {}
 
+    def _inflight_view(self) -> Optional[dict[str, int]]:
+        """Our calls in flight per peer, for routing to prefer the less loaded (None when that is off)."""
+        return self.inflight if self.opts.use_inflight else None
+
     async def pick(self, tried: list[str], job_tokens: int = 1,
                    stopped: Callable[[], bool] = lambda: False) -> Optional[StageRecord]:
         """A peer for the next attempt: untried and unbanned if possible, else the best of the rest; waits up to
@@ -95,7 +99,7 @@ class Router:
         warned = False
         while True:
             peer = pick_peer_or_fallback(self.source.candidates(), job_tokens, tried=tried, bans=self.bans,
-                                         inflight=self.inflight if self.opts.use_inflight else None)
+                                         inflight=self._inflight_view())
             if peer is not None:
                 return peer
             if time.monotonic() > deadline or stopped():
@@ -181,7 +185,7 @@ class Router:
             await asyncio.sleep(0.5)
             await self.source.refresh()
             fresh = pick_peer(self.source.candidates(), job_tokens, exclude=tried, bans=self.bans,
-                              inflight=self.inflight if self.opts.use_inflight else None)
+                              inflight=self._inflight_view())
             if fresh is not None:
                 return fresh
             if {r.peer_id for r in self.source.candidates()} != listed:
@@ -212,7 +216,7 @@ class Router:
             if first.done() or after is None:
                 return peer, await first
             other = pick_peer(self.source.candidates(), job_tokens, exclude=[*tried, peer.peer_id], bans=self.bans,
-                              inflight=self.inflight if self.opts.use_inflight else None)
+                              inflight=self._inflight_view())
             if other is None:
                 return peer, await first
             self.hedges += 1
