@@ -11,6 +11,7 @@ import torch
 from agora.client.router import Router, RouterOptions
 from agora.config import load_manifest
 from agora.net import transport
+from agora.net.protocol import OVER_SHARE
 from agora.net.records import StageRecord
 from agora.net.transport import RpcError
 from agora.server.observers import Observers
@@ -260,3 +261,27 @@ def test_a_hedged_call_whose_first_peer_answers_first_lifts_its_ban_and_both_fai
         asyncio.run(router.call({}, []))
     assert err.value.code == "retries_exhausted" and calls == ["a", "b"]
     assert router.errors == {"not_serving": 1, transport.TIMEOUT: 1}
+
+
+def test_a_call_sent_on_by_a_replica_holding_its_share_is_hedged_back_to_it_as_a_retry(monkeypatch):
+    """Replica "a" held its share of the batch and sent the microbatch on (``over_share``); the only other replica,
+    "b", is frozen. The hedge goes back to "a" (a redirect is no failure) as a retry, which "a" takes; without
+    that the call waited for the frozen peer's full timeout."""
+    calls: list[tuple[str, int]] = []
+
+    async def fake_call(p2p, peer_id, namespace, name, meta, tensors, timeout, stats=None):
+        calls.append((peer_id, meta["attempt"]))
+        if peer_id == "b":
+            await asyncio.sleep(30.0)
+        if meta["attempt"] == 0:
+            raise RpcError(OVER_SHARE, "a holds its share")
+        return {"from": peer_id}, []
+
+    monkeypatch.setattr(transport, "call", fake_call)
+    router, stage = _router(["a", "b"], hedge_factor=4.0, hedge_min_s=0.2, timeout_s=30.0)
+    stage.records[0].throughput = 1e6  # "a" is picked first
+    router.latency.update({"a": 0.01, "b": 0.01})
+    t0 = time.monotonic()
+    peer, (meta, _) = asyncio.run(router.call({}, []))
+    assert peer.peer_id == "a" and meta == {"from": "a"} and time.monotonic() - t0 < 2.0
+    assert calls == [("a", 0), ("b", 1), ("a", 1)] and router.hedges == router.hedges_won == 1

@@ -122,6 +122,7 @@ class Router:
         ``on_failure`` after each retryable failure or refused reply (the last one included).
         """
         tried: list[str] = []
+        redirects: list[str] = []  # the entries of ``tried`` that only sent us on (``over_share``), not failures
         last_error: Optional[Exception] = None
         same: Optional[StageRecord] = None  # the peer to call again at once (its stream broke; see below)
         redirected = False  # a replica sent us to another one (``over_share``): not a failure, once per request
@@ -141,7 +142,7 @@ class Router:
             same, redirected = None, False
             try:
                 peer, reply = await self._call_hedged(peer, dict(meta, attempt=attempt), tensors, rpc, tried,
-                                                      job_tokens)
+                                                      job_tokens, redirects)
             except RpcError as err:
                 attempt += 1
                 last_error = err
@@ -149,6 +150,7 @@ class Router:
                     # That replica holds its share of the stage's batch: another one takes this microbatch (any
                     # replica takes a later attempt, so this happens once per request).
                     tried.append(peer.peer_id)
+                    redirects.append(peer.peer_id)
                     redirected = True
                     continue
                 self._failed(peer.peer_id, err, tried, failures)
@@ -203,10 +205,15 @@ class Router:
         return min(self.opts.timeout_s, max(self.opts.hedge_min_s, self.opts.hedge_factor * typical))
 
     async def _call_hedged(self, peer: StageRecord, meta: dict, tensors: list[torch.Tensor], rpc: str,
-                           tried: list[str], job_tokens: int) -> tuple[StageRecord, Reply]:
+                           tried: list[str], job_tokens: int,
+                           redirects: Sequence[str] = ()) -> tuple[StageRecord, Reply]:
         """One attempt on ``peer``; past :meth:`hedge_after` also on the best other replica, first answer wins.
         The slow peer is banned (routed around) until it answers; a failure of the hedge is only recorded, the
-        attempt fails with the first peer's error."""
+        attempt fails with the first peer's error.
+
+        The hedge may go to a replica that sent this request on (``redirects``: it held its share of the stage's
+        batch): that was no failure, and the first peer may be frozen. The hedge is sent as a retry
+        (``attempt`` >= 1), which a replica takes even beyond its share instead of redirecting it again."""
         first = asyncio.ensure_future(self._call_one(peer.peer_id, meta, tensors, rpc))
         after = self.hedge_after(peer.peer_id)
         second: Optional[asyncio.Future] = None
@@ -215,7 +222,8 @@ class Router:
                 await asyncio.wait({first}, timeout=after)
             if first.done() or after is None:
                 return peer, await first
-            other = pick_peer(self.source.candidates(), job_tokens, exclude=[*tried, peer.peer_id], bans=self.bans,
+            failed = [p for p in set(tried) if tried.count(p) > redirects.count(p)]
+            other = pick_peer(self.source.candidates(), job_tokens, exclude=[*failed, peer.peer_id], bans=self.bans,
                               inflight=self._inflight_view())
             if other is None:
                 return peer, await first
@@ -223,7 +231,8 @@ class Router:
             self.bans.ban(peer.peer_id)
             logger.info(f"stage {self.stage} peer {peer.peer_id[-8:]} has not answered in {after:.1f}s; "
                         f"hedging to {other.peer_id[-8:]}")
-            second = asyncio.ensure_future(self._call_one(other.peer_id, meta, tensors, rpc))
+            hedge_meta = dict(meta, attempt=max(1, int(meta.get("attempt", 0) or 0)))
+            second = asyncio.ensure_future(self._call_one(other.peer_id, hedge_meta, tensors, rpc))
             owner = {first: peer, second: other}
             pending = {first, second}
             while pending:

@@ -13,6 +13,7 @@ peer id is the key's own. Readers get plain peer ids back (``read_subkeys`` stri
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import weakref
@@ -24,6 +25,8 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from agora.trust.identity import owner_subkey, subkey_peer_id
+
+logger = logging.getLogger("agora.records")
 
 RECORD_TTL_S = 8.0  # a record lives this long unless refreshed; ~3x the announce period
 ANNOUNCE_PERIOD_S = 2.5
@@ -108,6 +111,7 @@ class TrainerRecord:
 
 
 DHT_TIMEOUT_S = 10.0  # every DHT call is bounded: a thread blocked forever on a dead DHT process blocks exit
+STORE_WAIT_S = 1.0  # how long ``announce`` waits for its store (see there); stores take milliseconds when all is well
 
 
 _OWNER_KEYS: "weakref.WeakKeyDictionary[DHT, Any]" = weakref.WeakKeyDictionary()
@@ -118,13 +122,29 @@ def bind_owner_key(dht: DHT, key: Any) -> None:
     _OWNER_KEYS[dht] = key
 
 
-def announce(dht: DHT, key: str, subkey: str, value: dict, ttl: float = RECORD_TTL_S) -> bool:
+def announce(dht: DHT, key: str, subkey: str, value: dict, ttl: float = RECORD_TTL_S,
+             wait_s: float = STORE_WAIT_S) -> bool:
+    """Store ``value`` under ``key``/``subkey`` for ``ttl`` seconds. False when the store was refused (e.g. a record
+    signed by another peer); True when it was stored, or is still running after ``wait_s``.
+
+    Why not wait for every store: hivemind's store waits for each of the key's nearest DHT nodes, and one that is
+    frozen (SIGSTOP, a suspended laptop) holds it for twice its ``wait_timeout`` (search, then store: 6 s) until it
+    is blacklisted. A node's DHT calls run on two threads; stores waiting on a frozen peer took both and stalled the
+    reads behind them (a stage's round, its records, the gradient norms) for 20 s and more. The store completes in
+    hivemind's DHT process meanwhile.
+    """
     value = dict(value, updated=time.time())
     owner = _OWNER_KEYS.get(dht)
     stored_subkey: Any = subkey if owner is None else owner_subkey(subkey, owner)
     future = dht.store(key, subkey=stored_subkey, value=value, expiration_time=get_dht_time() + ttl,
                        return_future=True)
-    return bool(future.result(timeout=DHT_TIMEOUT_S))
+    try:
+        return bool(future.result(timeout=wait_s))
+    except TimeoutError:
+        if future.done():  # the store itself failed with a timeout: not stored
+            return False
+        logger.debug(f"the store of {key}/{subkey} is still running after {wait_s:g}s; not waiting for it")
+        return True
 
 
 def sampled_consensus_distance(records: Sequence["StageRecord"]) -> Optional[float]:

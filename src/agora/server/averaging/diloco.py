@@ -80,29 +80,37 @@ class DiLoCoSync(ReplicaSync):
         self._adopt_outer_state()
         self._samples_since_round = 0
 
-    def _load_proposal(self, step: Optional[int] = None) -> None:
-        """Compute thread: our proposed outer parameters and momentum into the averager's buffers. With ``step``
-        (a round starts), observers of ``"outer_round_start"`` see the inner phase's end state first."""
+    def _own_proposal(self, step: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Compute thread: our proposed outer parameters and momentum, per parameter. With ``step`` (a round starts),
+        observers of ``"outer_round_start"`` see the inner phase's end state first."""
         local = self.ctx.runtime.trained_parameters()
         if step is not None:
             self.ctx.observers.emit("outer_round_start", step, local)
-        n = len(local)
+        return [nesterov_outer_step(outer, mom, p.detach().cpu(), self.outer_lr, self.outer_momentum)
+                for outer, mom, p in zip(self.outer, self.momentum, local)]
+
+    def _load_proposal(self, step: Optional[int] = None) -> None:
+        """Compute thread: our proposal (``_own_proposal``) into the averager's buffers."""
+        proposal = self._own_proposal(step)
+        n = len(proposal)
         with self.averager.get_tensors() as bufs, torch.no_grad():
-            for i, (outer, mom, p) in enumerate(zip(self.outer, self.momentum, local)):
-                new_outer, new_mom = nesterov_outer_step(outer, mom, p.detach().cpu(), self.outer_lr,
-                                                         self.outer_momentum)
+            for i, (new_outer, new_mom) in enumerate(proposal):
                 bufs[i].copy_(new_outer)
                 bufs[n + i].copy_(new_mom)
 
     def _apply_outer(self, averaged: bool) -> None:
-        """Compute thread: move to the averaged outer state (or, without a round, to our own proposal)."""
-        if not averaged:
-            self._load_proposal()  # a failed round may have left the buffers half-averaged: recompute ours
+        """Compute thread: move to the averaged outer state (or, without a round, to our own proposal, computed
+        again: a failed round may have left the buffers half-averaged, and a round we left may still hold them)."""
         n = len(self.outer)
-        with self.averager.get_tensors() as bufs, torch.no_grad():
-            for i in range(n):
-                self.outer[i].copy_(bufs[i])
-                self.momentum[i].copy_(bufs[n + i])
+        if averaged:
+            with self.averager.get_tensors() as bufs, torch.no_grad():
+                for i in range(n):
+                    self.outer[i].copy_(bufs[i])
+                    self.momentum[i].copy_(bufs[n + i])
+        else:
+            for i, (new_outer, new_mom) in enumerate(self._own_proposal()):
+                self.outer[i].copy_(new_outer)
+                self.momentum[i].copy_(new_mom)
         self.ctx.runtime.load_parameters(self.outer)
         self._set_fingerprint()
 
@@ -133,8 +141,8 @@ class DiLoCoSync(ReplicaSync):
         return [r for r in await self.replicas() if r.state == PeerState.SERVING.value and r.peer_id not in banned
                 and (step - self.every <= r.step <= step + past or r.averaging_step == step)]
 
-    async def _partners_left(self, step: int) -> bool:
-        return bool(await self._phase_replicas(step))
+    async def _round_partners(self, step: int) -> list[StageRecord]:
+        return await self._phase_replicas(step)
 
     async def _outer_round(self, step: int) -> None:
         """The blocking outer round after inner step ``step``: average the proposals with the replicas in the same
@@ -142,9 +150,10 @@ class DiLoCoSync(ReplicaSync):
         c = self.ctx
         t0, sent_before = time.monotonic(), self.bytes_sent
         weight, self._samples_since_round = self._samples_since_round, 0
-        await c.run_compute(self._load_proposal, step)
         result: Optional[dict] = None
-        if await self._partners_left(step):
+        busy = self.averager_busy()  # a left round's all-reduce holds the buffers: this round is taken alone
+        await c.run_compute(self._own_proposal if busy else self._load_proposal, step)
+        if not busy and await self._partners_left(step):
             self.averaging_step = step
             try:
                 await c.announce()  # partners behind us see the round and follow our step at once

@@ -26,10 +26,11 @@ from hivemind import DHT
 from agora.config import Manifest
 from agora.model import tied_parameter
 from agora.net.members import RunMembers
-from agora.net.protocol import OVER_SHARE
+from agora.net import transport
+from agora.net.protocol import INFO, OVER_SHARE
 from agora.net.state_transfer import fetch_state
-from agora.net.records import (PeerState, StageRecord, read_stage, read_swarm_bans, sampled_consensus_distance,
-                                trainers_training)
+from agora.net.records import (RECORD_TTL_S, PeerState, StageRecord, read_stage, read_swarm_bans,
+                                sampled_consensus_distance, trainers_training)
 from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
 from agora.server.averaging.clip import GlobalClip
@@ -42,6 +43,16 @@ logger = logging.getLogger("agora.averaging")
 POLL_S = 0.3
 SHARE_WAIT_S = 3.0  # how long a retried microbatch over our share waits for the others' counts before it is taken
 ZERO_SAMPLE_WEIGHT = 1e-6  # hivemind requires positive weights; this keeps an empty replica's influence < fp32 eps
+# A round's partner is probed (a small ``info`` call) when the round waits: a frozen replica's record outlives its
+# last announcement by up to RECORD_TTL_S, and hivemind waits for a frozen all-reduce member for its sender and
+# reducer timeouts. A partner that does not answer within PROBE_TIMEOUT_S is left out of our decisions (rounds,
+# batch shares) for UNRESPONSIVE_S, by when its record has expired unless it came back and announced again.
+PROBE_TIMEOUT_S = 2.0
+UNRESPONSIVE_S = RECORD_TTL_S
+# An all-reduce that runs longer than this many times the typical one (at least ALLREDUCE_PROBE_MIN_S) has its
+# partners probed; if one does not answer, our side leaves the round and steps on its own gradients.
+ALLREDUCE_PROBE_FACTOR = 4.0
+ALLREDUCE_PROBE_MIN_S = 3.0
 
 
 def batch_shares(target: int, microbatch: int, peers: list[tuple[str, float]]) -> dict[str, int]:
@@ -135,6 +146,10 @@ class ReplicaSync:
         self._announced_counts, self._announced_at = (0, 0), 0.0
         self._banned: set[str] = set()
         self._banned_at = 0.0
+        self.unresponsive: dict[str, float] = {}  # replicas that failed a probe, and when (see PROBE_TIMEOUT_S)
+        self.left_rounds = 0  # all-reduces our side left because a partner stopped answering
+        self.typical_allreduce_s: Optional[float] = None  # moving average of finished all-reduces (from their start)
+        self._left_control = None  # the StepControl of the last round we left; its all-reduce may still run
         self._trainers, self._trainers_read_at = 0, 0.0
         self.admitted = 0  # samples of training microbatches admitted here and not finished yet (``admit_training``)
         self.others_samples = 0  # what the replicas at our step announced they accumulated (``_note_replicas``)
@@ -204,9 +219,34 @@ class ReplicaSync:
     async def replicas(self) -> list[StageRecord]:
         c, m = self.ctx, self.ctx.manifest
         recs = await c.run_io(read_stage, c.dht, m.run_id, c.stage_index, m.hash)
-        others = [r for r in recs if r.peer_id != c.peer_id]
+        others = [r for r in recs if r.peer_id != c.peer_id and not self._is_unresponsive(r.peer_id)]
         self._note_replicas(others)
         return others
+
+    def _is_unresponsive(self, peer_id: str) -> bool:
+        since = self.unresponsive.get(peer_id)
+        if since is not None and time.monotonic() - since > UNRESPONSIVE_S:
+            del self.unresponsive[peer_id]
+            return False
+        return since is not None
+
+    async def probe(self, peers: list[StageRecord]) -> list[bool]:
+        """Whether each of ``peers`` answers a small call within ``PROBE_TIMEOUT_S``; those that do not are left out
+        of :meth:`replicas` for ``UNRESPONSIVE_S`` (frozen, or cut off: their records still look alive)."""
+        c = self.ctx
+
+        async def answers(peer: StageRecord) -> bool:
+            try:
+                await transport.call(c.p2p, peer.peer_id, c.manifest.run_id, INFO, {}, [], PROBE_TIMEOUT_S)
+                return True
+            except Exception as err:  # timeout, refused, unreachable: no answer in time
+                logger.warning(f"stage {c.stage_index}: replica {peer.peer_id[-8:]} did not answer a probe "
+                               f"within {PROBE_TIMEOUT_S:g}s ({getattr(err, 'code', type(err).__name__)}); "
+                               f"leaving it out for {UNRESPONSIVE_S:g}s")
+                self.unresponsive[peer.peer_id] = time.monotonic()
+                return False
+
+        return list(await asyncio.gather(*(answers(p) for p in peers)))
 
     async def banned_replicas(self) -> set[str]:
         """Replicas banned by SENTINEL (ours, or published by ``BAN_QUORUM`` other peers), refreshed at most every 2 s."""
@@ -221,10 +261,20 @@ class ReplicaSync:
             self._banned = self._banned | published | c.local_bans()
         return self._banned
 
-    async def _partners_left(self, step: int) -> bool:
-        """Whether any other replica that could still be in our round for ``step`` is alive in the DHT."""
+    async def _round_partners(self, step: int) -> list[StageRecord]:
+        """The other replicas that could still be in our round for ``step`` (records alive in the DHT)."""
         recs = await self.replicas()
-        return any(r.state == PeerState.SERVING.value and (r.step == step or r.averaging_step == step) for r in recs)
+        return [r for r in recs if r.state == PeerState.SERVING.value and (r.step == step or r.averaging_step == step)]
+
+    async def _partners_left(self, step: int) -> bool:
+        """Whether any replica that could still be in our round for ``step`` is alive in the DHT and answers."""
+        partners = await self._round_partners(step)
+        return bool(partners) and any(await self.probe(partners))
+
+    def averager_busy(self) -> bool:
+        """Whether the all-reduce of a round we left still runs in hivemind's averager: it holds the averager's
+        buffers until its own timeouts end, so a round now would block the compute thread loading them."""
+        return self._left_control is not None and not self._left_control.done()
 
     async def _untrusted(self, result: dict) -> bool:
         """Whether a finished round's group holds a member whose contribution must not reach our parameters.
@@ -510,6 +560,10 @@ class ReplicaSync:
     async def _average(self, samples: int, grads: list[torch.Tensor]) -> Optional[dict]:
         """One averaging round with the replicas at our step; None if it failed or was given up."""
         step = self.ctx.runtime.step
+        if self.averager_busy():
+            logger.warning(f"stage {self.ctx.stage_index}: the all-reduce of a round we left is still running; "
+                           f"step {step + 1} is taken without averaging")
+            return None
         await self.ctx.run_compute(self._load_buffers, grads, step)
         self.control = await self._start_round(samples, {"step": step, "samples": samples})
         try:
@@ -527,6 +581,7 @@ class ReplicaSync:
         # this only guards against a wedged averager process.
         hard_deadline = time.monotonic() + 2 * timeout + 10.0
         next_check = time.monotonic() + 2.0
+        began_at: Optional[float] = None
         while not control.done():
             await asyncio.sleep(0.1)
             now = time.monotonic()
@@ -534,6 +589,21 @@ class ReplicaSync:
                 logger.warning(f"stage {stage}: averaging did not finish within {2 * timeout + 10:.0f}s")
                 control.cancel()
                 return None
+            if control.began_allreduce and began_at is None:
+                began_at = now
+            if began_at is not None and step is not None and now > next_check \
+                    and now - began_at > self._allreduce_probe_after():
+                next_check = now + 1.0
+                partners = await self._round_partners(step)
+                if partners and not all(await self.probe(partners)):
+                    # A member froze mid-all-reduce: hivemind would hold us for its sender + reducer timeouts and
+                    # then average only part of the vector anyway. Our side leaves; the averager finishes the round
+                    # in the background (``averager_busy``) and the replicas' states are repaired by a download.
+                    self._left_control = control
+                    self.left_rounds += 1
+                    logger.warning(f"stage {stage}: a replica stopped answering during the all-reduce of step "
+                                   f"{step} ({now - began_at:.1f}s); leaving the round")
+                    return None
             if (step is not None or alive is not None) and now > next_check and not control.began_allreduce:
                 next_check = now + 1.0
                 if not await (alive() if alive is not None else self._partners_left(step)):
@@ -544,10 +614,20 @@ class ReplicaSync:
                     logger.warning(f"stage {stage}: no replica left for the round of step {step}; going on without")
                     return None
         try:
-            return control.result(timeout=0)
+            result = control.result(timeout=0)
         except BaseException as err:  # hivemind raises when no group formed; a failed round, not a crash
             logger.warning(f"stage {stage}: averaging failed: {err!r}")
             return None
+        if began_at is not None:
+            took = time.monotonic() - began_at
+            self.typical_allreduce_s = took if self.typical_allreduce_s is None \
+                else 0.8 * self.typical_allreduce_s + 0.2 * took
+        return result
+
+    def _allreduce_probe_after(self) -> float:
+        """Seconds into an all-reduce after which its partners are probed."""
+        typical = self.typical_allreduce_s or 0.0
+        return max(ALLREDUCE_PROBE_MIN_S, ALLREDUCE_PROBE_FACTOR * typical)
 
     async def _group_average(self, samples: int, grads: list[torch.Tensor], n_others: int) -> tuple[Optional[list], int]:
         """Average with ``n_others`` replicas: (the averaged update or None if the round failed, group size)."""

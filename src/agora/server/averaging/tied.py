@@ -27,6 +27,10 @@ from agora.net.transport import RpcError
 logger = logging.getLogger("agora.averaging")
 
 KEEP_STEPS = 2  # offered gradients kept for late askers (each is vocab x d_model floats; stages step in lockstep)
+# A replica of the other end that has not answered within HEDGE_FACTOR x a typical fetch (at least HEDGE_MIN_S) may
+# be frozen: another one is asked as well (a large matrix is then sent twice, so not sooner).
+HEDGE_FACTOR = 4.0
+HEDGE_MIN_S = 2.0
 
 
 class TiedExchange:
@@ -48,6 +52,8 @@ class TiedExchange:
         self.offered: dict[int, torch.Tensor] = {}
         self.exchanged = 0
         self.failed = 0
+        self.hedged = 0  # fetches that also asked another replica because the first one was slow
+        self.typical_fetch_s: Optional[float] = None  # moving average of successful fetches
 
     # ------------------------------------------------------------------ serving the other end
     async def serve(self, meta: dict, tensors: list, caller) -> tuple[dict, list[torch.Tensor]]:
@@ -94,17 +100,53 @@ class TiedExchange:
             except Exception as err:  # a DHT hiccup: try again until the deadline
                 logger.debug(f"reading stage {self.other_stage} failed: {err!r}")
                 records = []
-            peers = [r for r in records if r.state in (PeerState.SERVING.value, PeerState.LEAVING.value)]
+            peers = [r.peer_id for r in records if r.state in (PeerState.SERVING.value, PeerState.LEAVING.value)]
             random.shuffle(peers)
-            for peer in peers:
-                try:
-                    return await self._fetch_from(peer.peer_id, step, rows_per_page, deadline)
-                except RpcError as err:
-                    if err.code == "not_ready":
-                        continue
-                    logger.debug(f"tied gradient from {peer.peer_id[-8:]} failed: {err}")
+            got = await self._first_answer(peers, step, rows_per_page, deadline)
+            if got is not None:
+                return got
             await asyncio.sleep(0.2)
         return None
+
+    def hedge_after_s(self) -> float:
+        """How long one replica of the other end may take before the next one is asked as well."""
+        return max(HEDGE_MIN_S, HEDGE_FACTOR * self.typical_fetch_s) if self.typical_fetch_s else HEDGE_MIN_S
+
+    async def _first_answer(self, peers: list[str], step: int, rows_per_page: int,
+                            deadline: float) -> Optional[torch.Tensor]:
+        """The gradient from the first of ``peers`` that gives it. They are asked in turn: the next one as soon as
+        the previous one failed (``not_ready``: it has not averaged that step yet), or also when it has not answered
+        within ``hedge_after_s`` (a frozen replica would otherwise hold this step until the deadline); the first
+        answer wins and the other calls are cancelled."""
+        queue, running = list(peers), set()
+        try:
+            while queue or running:
+                if queue:
+                    running.add(asyncio.ensure_future(self._timed_fetch(queue.pop(0), step, rows_per_page, deadline)))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                done, running = await asyncio.wait(running, timeout=min(left, self.hedge_after_s()) if queue else left,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done and queue:
+                    self.hedged += 1
+                for task in done:
+                    if task.exception() is None:
+                        return task.result()
+                    err = task.exception()
+                    if not (isinstance(err, RpcError) and err.code == "not_ready"):
+                        logger.debug(f"a tied gradient for step {step} failed: {err!r}")
+            return None
+        finally:
+            for task in running:
+                task.cancel()
+
+    async def _timed_fetch(self, peer_id: str, step: int, rows_per_page: int, deadline: float) -> torch.Tensor:
+        started = time.monotonic()
+        grad = await self._fetch_from(peer_id, step, rows_per_page, deadline)
+        took = time.monotonic() - started
+        self.typical_fetch_s = took if self.typical_fetch_s is None else 0.8 * self.typical_fetch_s + 0.2 * took
+        return grad
 
     async def _fetch_from(self, peer_id: str, step: int, rows_per_page: int, deadline: float) -> torch.Tensor:
         c = self.ctx

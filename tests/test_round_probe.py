@@ -1,0 +1,107 @@
+"""A round's partner that stops answering (frozen) is noticed by a probe, before its record expires or hivemind's
+all-reduce timeouts end (offline: a fake round control and scripted probe answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from agora.net import transport
+from agora.net.records import StageRecord
+from agora.net.transport import RpcError
+from agora.server.averaging import sync as sync_module
+from agora.server.averaging.sync import PROBE_TIMEOUT_S, ReplicaSync
+
+
+class _Control:
+    """hivemind's StepControl as ``_await_round`` sees it: done after ``done_after`` seconds (never: None)."""
+
+    def __init__(self, began_allreduce: bool, done_after=None):
+        self.began_allreduce, self.cancelled = began_allreduce, False
+        self.finish_at = None if done_after is None else time.monotonic() + done_after
+
+    def done(self):
+        return self.cancelled or (self.finish_at is not None and time.monotonic() >= self.finish_at)
+
+    def cancel(self):
+        self.cancelled = True
+
+    def result(self, timeout=None):
+        return {"partner": {"step": 5}}
+
+
+def _sync(partners: list[str]) -> SimpleNamespace:
+    """The parts of a ReplicaSync that the round's wait uses, its real methods bound to a plain namespace."""
+    me = SimpleNamespace(ctx=SimpleNamespace(stage_index=0, p2p=None, manifest=SimpleNamespace(run_id="run")),
+                         aborted_rounds=0, left_rounds=0, unresponsive={}, typical_allreduce_s=None,
+                         _left_control=None)
+    records = [StageRecord(peer_id=p, stage=0, state="serving", manifest_hash="h", step=5) for p in partners]
+
+    async def round_partners(step):
+        return [r for r in records if not ReplicaSync._is_unresponsive(me, r.peer_id)]
+
+    me._round_partners = round_partners
+    me.probe = lambda peers: ReplicaSync.probe(me, peers)
+    me._partners_left = lambda step: ReplicaSync._partners_left(me, step)
+    me._allreduce_probe_after = lambda: ReplicaSync._allreduce_probe_after(me)
+    me.averager_busy = lambda: ReplicaSync.averager_busy(me)
+    return me
+
+
+@pytest.fixture
+def frozen(monkeypatch):
+    """Probes of the peers in the returned set hang until their timeout; the others answer at once."""
+    hung: set[str] = set()
+    probes: list[str] = []
+
+    async def fake_call(p2p, peer_id, namespace, name, meta, tensors, timeout, stats=None):
+        probes.append(peer_id)
+        if peer_id in hung:
+            await asyncio.sleep(timeout)
+            raise RpcError(transport.TIMEOUT, "no reply")
+        return {"record": {}}, []
+
+    monkeypatch.setattr(transport, "call", fake_call)
+    return hung, probes
+
+
+def test_a_frozen_partner_ends_the_matchmaking_wait_before_its_record_expires(frozen):
+    hung, probes = frozen
+    hung.add("partner")
+    me, control = _sync(["partner"]), _Control(began_allreduce=False)
+    t0 = time.monotonic()
+    assert asyncio.run(ReplicaSync._await_round(me, control, 5, 20.0)) is None
+    took = time.monotonic() - t0
+    assert control.cancelled and me.aborted_rounds == 1 and probes == ["partner"]
+    assert took < 2.0 + PROBE_TIMEOUT_S + 1.5, took  # before: until the record expired (up to 8 s more)
+    assert ReplicaSync._is_unresponsive(me, "partner")
+    sync_module.UNRESPONSIVE_S, saved = 0.0, sync_module.UNRESPONSIVE_S
+    try:
+        assert not ReplicaSync._is_unresponsive(me, "partner") and me.unresponsive == {}
+    finally:
+        sync_module.UNRESPONSIVE_S = saved
+
+
+def test_a_partner_frozen_mid_all_reduce_makes_our_side_leave_the_round(frozen):
+    hung, probes = frozen
+    hung.add("partner")
+    me, control = _sync(["partner"]), _Control(began_allreduce=True)
+    me.typical_allreduce_s = 0.1  # probed after max(3 s, 4 x 0.1 s)
+    t0 = time.monotonic()
+    assert asyncio.run(ReplicaSync._await_round(me, control, 5, 20.0)) is None
+    took = time.monotonic() - t0
+    assert 3.0 <= took < 3.0 + PROBE_TIMEOUT_S + 1.5, took  # before: hivemind's 5 s + 10 s timeouts
+    assert me.left_rounds == 1 and me._left_control is control and me.averager_busy()
+    control.cancel()  # the averager ended the round in the background
+    assert not me.averager_busy()
+
+
+def test_a_slow_all_reduce_whose_partners_answer_is_waited_for(frozen):
+    hung, probes = frozen
+    me, control = _sync(["partner"]), _Control(began_allreduce=True, done_after=4.5)
+    assert asyncio.run(ReplicaSync._await_round(me, control, 5, 20.0)) == {"partner": {"step": 5}}
+    assert probes and me.left_rounds == 0 and me.unresponsive == {}
+    assert me.typical_allreduce_s == pytest.approx(4.5, abs=0.5)
