@@ -9,7 +9,6 @@ adopting the state of the replica with the smallest peer id.
 from __future__ import annotations
 
 import logging
-import random
 import time
 
 import torch
@@ -58,7 +57,7 @@ class FullSync(ReplicaSync):
         if ahead:
             best = max(r.step for r in ahead)
             logger.info(f"stage {c.stage_index}: replica at step {best} is ahead of our {rt.step}; resyncing")
-            await self.download_from(random.choice([r for r in ahead if r.step == best]))
+            await self.download_from_any([r for r in ahead if r.step == best])
             return
         banned = await self.banned_replicas()
         same = [r for r in others if r.step == rt.step and r.state == PeerState.SERVING.value
@@ -72,7 +71,7 @@ class FullSync(ReplicaSync):
             if leader is not None and leader.peer_id < c.peer_id and leader.fingerprint != self.fingerprint:
                 logger.warning(f"stage {c.stage_index}: parameters differ from replica {leader.peer_id[-8:]} at "
                                f"step {rt.step}; adopting its state")
-                await self.download_from(leader, keep_grads=True)
+                await self.download_from_any([leader], keep_grads=True)
                 return
         if averaging:
             # A replica started the round for our step: join it, even with nothing accumulated, so that every

@@ -301,6 +301,18 @@ class ReplicaSync:
         return bool(outsiders)
 
     # ------------------------------------------------------------------ repairs
+    async def download_from_any(self, candidates: list[StageRecord], timeout: float = 60.0,
+                                keep_grads: bool = False) -> bool:
+        """``download_from`` one of ``candidates`` (equally good sources) that answers a probe; False when none
+        does. A frozen replica's record looks alive for up to its TTL, and a download from it would wait for the
+        whole ``timeout``: with freezes overlapping, a replica that woke up spent 30 s and more that way."""
+        order = random.sample(candidates, len(candidates))
+        live = [r for r, ok in zip(order, await self.probe(order)) if ok]
+        if not live:
+            logger.info(f"stage {self.ctx.stage_index}: no replica to download the state from answers; trying again")
+            return False
+        return await self.download_from(live[0], timeout=timeout, keep_grads=keep_grads)
+
     async def download_from(self, peer: StageRecord, timeout: float = 60.0, keep_grads: bool = False) -> bool:
         """Copy parameters + optimizer state + step from ``peer``; bounded by ``timeout``.
 
@@ -368,7 +380,7 @@ class ReplicaSync:
             if best < rt.step or (best == rt.step and same_state):
                 return True
             left = max(1.0, min(60.0, deadline - time.monotonic()))
-            if await self.download_from(random.choice(freshest), timeout=left):
+            if await self.download_from_any(freshest, timeout=left):
                 continue
             failures += 1
             await asyncio.sleep(0.5)
@@ -528,7 +540,7 @@ class ReplicaSync:
             best = max(r.step for r in ahead)
             logger.info(f"stage {self.ctx.stage_index}: replica at step {best} {why} (we are at {rt.step}); "
                         f"resyncing")
-            await self.download_from(random.choice([r for r in ahead if r.step == best]))
+            await self.download_from_any([r for r in ahead if r.step == best])
             return
         if any(r.step > rt.step for r in others):
             await self.round(0)  # the stage took this step: follow on our own gradients
