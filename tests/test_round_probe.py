@@ -59,6 +59,8 @@ def frozen(monkeypatch):
 
     async def fake_call(p2p, peer_id, namespace, name, meta, tensors, timeout, stats=None):
         probes.append(peer_id)
+        if peer_id.startswith("busy"):
+            raise RpcError(transport.BUSY, "at its stream limit")
         if peer_id in hung:
             await asyncio.sleep(timeout)
             raise RpcError(transport.TIMEOUT, "no reply")
@@ -105,3 +107,13 @@ def test_a_slow_all_reduce_whose_partners_answer_is_waited_for(frozen):
     assert asyncio.run(ReplicaSync._await_round(me, control, 5, 20.0)) == {"partner": {"step": 5}}
     assert probes and me.left_rounds == 0 and me.unresponsive == {}
     assert me.typical_allreduce_s == pytest.approx(4.5, abs=0.5)
+
+
+def test_a_partner_that_refuses_the_probe_answered_and_counts_as_alive(frozen):
+    hung, probes = frozen
+    me = _sync(["busy-partner"])
+    assert asyncio.run(ReplicaSync._partners_left(me, 5)) and me.unresponsive == {}
+    hung.add("gone")
+    me = _sync(["busy-partner", "gone"])
+    assert asyncio.run(ReplicaSync.probe(me, asyncio.run(me._round_partners(5)))) == [True, False]
+    assert set(me.unresponsive) == {"gone"}
