@@ -36,7 +36,7 @@ class _Control:
 def _sync(partners: list[str]) -> SimpleNamespace:
     """The parts of a ReplicaSync that the round's wait uses, its real methods bound to a plain namespace."""
     me = SimpleNamespace(ctx=SimpleNamespace(stage_index=0, p2p=None, manifest=SimpleNamespace(run_id="run")),
-                         aborted_rounds=0, left_rounds=0, unresponsive={}, typical_allreduce_s=None,
+                         aborted_rounds=0, left_rounds=0, probe_failures=0, unresponsive={}, typical_allreduce_s=None,
                          _left_control=None)
     records = [StageRecord(peer_id=p, stage=0, state="serving", manifest_hash="h", step=5) for p in partners]
 
@@ -116,4 +116,4 @@ def test_a_partner_that_refuses_the_probe_answered_and_counts_as_alive(frozen):
     hung.add("gone")
     me = _sync(["busy-partner", "gone"])
     assert asyncio.run(ReplicaSync.probe(me, asyncio.run(me._round_partners(5)))) == [True, False]
-    assert set(me.unresponsive) == {"gone"}
+    assert set(me.unresponsive) == {"gone"} and me.probe_failures == 1

@@ -265,6 +265,9 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "freezes": node.freeze.epoch,
         "frozen_s": round(node.freeze.frozen_s, 3),
         "aborted_rounds": sum(s.aborted_rounds for s in syncs),
+        # a replica of a round that did not answer a probe (frozen, cut off), and all-reduces left because of one
+        "probe_failures": sum(s.probe_failures for s in syncs),
+        "left_rounds": sum(s.left_rounds for s in syncs),
         "averaging_bytes_sent": sum(s.bytes_sent for s in syncs),
         # DiLoCo: outer steps taken alone (no partner alive, or the round failed) and the seconds outer rounds
         # blocked this replica (inner steps wait for them).

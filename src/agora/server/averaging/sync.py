@@ -150,6 +150,7 @@ class ReplicaSync:
         self._banned_at = 0.0
         self.unresponsive: dict[str, float] = {}  # replicas that failed a probe, and when (see PROBE_TIMEOUT_S)
         self.left_rounds = 0  # all-reduces our side left because a partner stopped answering
+        self.probe_failures = 0  # probes of replicas that got no answer (``probe``)
         self.typical_allreduce_s: Optional[float] = None  # moving average of finished all-reduces (from their start)
         self._left_control = None  # the StepControl of the last round we left; its all-reduce may still run
         self._trainers, self._trainers_read_at = 0, 0.0
@@ -248,6 +249,7 @@ class ReplicaSync:
                                f"within {PROBE_TIMEOUT_S:g}s ({getattr(err, 'code', type(err).__name__)}); "
                                f"leaving it out for {UNRESPONSIVE_S:g}s")
                 self.unresponsive[peer.peer_id] = time.monotonic()
+                self.probe_failures += 1
                 return False
 
         return list(await asyncio.gather(*(answers(p) for p in peers)))
