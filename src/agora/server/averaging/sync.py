@@ -270,7 +270,8 @@ class ReplicaSync:
     async def _round_partners(self, step: int) -> list[StageRecord]:
         """The other replicas that could still be in our round for ``step`` (records alive in the DHT)."""
         recs = await self.replicas()
-        return [r for r in recs if r.state == PeerState.SERVING.value and (r.step == step or r.averaging_step == step)]
+        return [r for r in recs
+                if r.state == PeerState.SERVING.value and (r.step == step or r.averaging_step == step)]
 
     async def _partners_left(self, step: int) -> bool:
         """Whether any replica that could still be in our round for ``step`` is alive in the DHT and answers."""
