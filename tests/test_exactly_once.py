@@ -98,3 +98,49 @@ def test_a_stage_pipeline_accumulates_a_retried_microbatch_once():
     assert samples == [8, 8] and backward == [2, 2]  # two distinct microbatches of 4, each once at each stage
     # The retry after the timeout found the run in progress, or its reply (or the timeout beat the request there).
     assert first["loss"] == again["loss"] == fresh["loss"] and duplicates in (1, 2)
+
+
+def test_claims_and_points_of_no_return_let_one_of_a_hedged_pair_apply():
+    once = ExactlyOnce()
+    assert once.claim(("trainer", "a"))  # the hedge target claims first: granted...
+    assert not once.pass_point(("trainer", "a"))  # ...and our run drops it; the claim is used up
+    assert once.pass_point(("trainer", "a"))  # a later retry here runs
+    assert not once.claim(("trainer", "a"))  # our run passed: a claim is refused
+    assert once.pass_point(None)  # unlabelled requests are not tracked
+
+
+def test_a_microbatch_hedged_between_two_replicas_is_applied_by_exactly_one():
+    """The same labelled microbatch reaches two head replicas at once, the second as a hedge of the first
+    (``hedge_of``): the hedge target claims it from the first before sending it downstream, so exactly one of them
+    applies it, whichever gets there first (before claims, both did: 8 samples instead of 4). A hedge whose first
+    peer no longer serves the stage goes on."""
+
+    async def main():
+        async with local_swarm(MAN, [0, 0, 1]) as (boot, peers, nodes):
+            first, second, tail = nodes
+            await wait_until(lambda: first.peer_id in second.sync.replica_ids and len(first.downstream.records) == 1
+                             and len(second.downstream.records) == 1, 30, "the replicas and the tail to be seen")
+            p2p = await boot.replicate_p2p()
+            gen = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, MAN.model.vocab_size, (4, MAN.model.seq_len), generator=gen, dtype=torch.int32)
+            last = torch.randint(0, MAN.model.vocab_size, (4,), generator=gen, dtype=torch.int32)
+            meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 0, "train": True, "mb": "hedged"}
+            outcomes = await asyncio.gather(
+                transport.call(p2p, first.peer_id, MAN.run_id, FWD_BWD, meta, [tokens, last], timeout=60),
+                transport.call(p2p, second.peer_id, MAN.run_id, FWD_BWD, dict(meta, attempt=1, hedge_of=first.peer_id),
+                               [tokens, last], timeout=60),
+                return_exceptions=True)
+            pair = ([n.runtime.samples for n in nodes], [not isinstance(o, BaseException) for o in outcomes],
+                    [getattr(o, "code", None) for o in outcomes],
+                    second.handler.claims_lost + first.handler.dropped, first.handler.claims_granted)
+            # A hedge whose first peer is not a replica of the stage (it moved): the target applies it.
+            alone = await transport.call(p2p, second.peer_id, MAN.run_id, FWD_BWD,
+                                         dict(meta, mb="moved", attempt=1, hedge_of=tail.peer_id), [tokens, last],
+                                         timeout=60)
+            return pair, [n.runtime.samples for n in nodes], alone
+
+    (samples, succeeded, codes, losers, granted), after, alone = asyncio.run(main())
+    assert sum(samples[:2]) == 4 and samples[2] == 4, samples  # one application at each stage
+    assert sorted(succeeded) == [False, True] and "leaving" in codes and losers == 1
+    assert granted == (1 if succeeded[1] else 0)
+    assert sum(after[:2]) == 8 and after[2] == 8 and alone[0]["loss"] is not None

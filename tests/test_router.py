@@ -268,9 +268,11 @@ def test_a_call_sent_on_by_a_replica_holding_its_share_is_hedged_back_to_it_as_a
     "b", is frozen. The hedge goes back to "a" (a redirect is no failure) as a retry, which "a" takes; without
     that the call waited for the frozen peer's full timeout."""
     calls: list[tuple[str, int]] = []
+    hedge_of: list = []
 
     async def fake_call(p2p, peer_id, namespace, name, meta, tensors, timeout, stats=None):
         calls.append((peer_id, meta["attempt"]))
+        hedge_of.append(meta.get("hedge_of"))
         if peer_id == "b":
             await asyncio.sleep(30.0)
         if meta["attempt"] == 0:
@@ -285,3 +287,4 @@ def test_a_call_sent_on_by_a_replica_holding_its_share_is_hedged_back_to_it_as_a
     peer, (meta, _) = asyncio.run(router.call({}, []))
     assert peer.peer_id == "a" and meta == {"from": "a"} and time.monotonic() - t0 < 2.0
     assert calls == [("a", 0), ("b", 1), ("a", 1)] and router.hedges == router.hedges_won == 1
+    assert hedge_of == [None, None, "b"]  # the hedge target claims the microbatch from the peer called first

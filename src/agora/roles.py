@@ -261,6 +261,10 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         # Training requests dropped before they committed: their callers had gone (a hedge won elsewhere) or this
         # process was frozen while they were in flight (server/freeze.py); and the freezes themselves.
         "dropped_microbatches": node.handler.dropped,
+        # hedged pairs (server/exactly_once.py): microbatches dropped here because the replica called first had
+        # applied them, and claims we granted to a hedge target (our run then dropped the microbatch)
+        "hedge_claims_lost": node.handler.claims_lost,
+        "hedge_claims_granted": node.handler.claims_granted,
         "hedges_downstream": node.downstream.router.hedges if node.downstream is not None else 0,
         "freezes": node.freeze.epoch,
         "frozen_s": round(node.freeze.frozen_s, 3),

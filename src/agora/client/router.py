@@ -231,7 +231,9 @@ class Router:
             self.bans.ban(peer.peer_id)
             logger.info(f"stage {self.stage} peer {peer.peer_id[-8:]} has not answered in {after:.1f}s; "
                         f"hedging to {other.peer_id[-8:]}")
-            hedge_meta = dict(meta, attempt=max(1, int(meta.get("attempt", 0) or 0)))
+            # ``hedge_of``: the hedge target claims the microbatch from the first peer before applying it, so that
+            # only one of the two applies it (server/exactly_once.py).
+            hedge_meta = dict(meta, attempt=max(1, int(meta.get("attempt", 0) or 0)), hedge_of=peer.peer_id)
             second = asyncio.ensure_future(self._call_one(other.peer_id, hedge_meta, tensors, rpc))
             owner = {first: peer, second: other}
             pending = {first, second}

@@ -253,6 +253,8 @@ def _node_row(child: Child, s: dict) -> dict:
             "dropped_microbatches": s.get("dropped_microbatches", 0), "freezes": s.get("freezes", 0),
             "frozen_s": s.get("frozen_s", 0.0), "hedges_downstream": s.get("hedges_downstream", 0),
             "probe_failures": s.get("probe_failures", 0), "left_rounds": s.get("left_rounds", 0),
+            "hedge_claims_lost": s.get("hedge_claims_lost", 0),
+            "hedge_claims_granted": s.get("hedge_claims_granted", 0),
             "curvature": s.get("curvature"), "consensus_distance": s.get("consensus_distance"),
             "utilisation": s.get("utilisation")}
 

@@ -14,6 +14,7 @@ GET_STATE = "get_state"  # parameters and optimizer moments of a stage (a joinin
 INFO = "info"  # a peer's record and recent events (dashboard, status)
 TIED_GRAD = "tied_grad"  # a step's gradient of a tied embedding, between the head's and the tail's replicas
 INFER = "infer"  # one chunk of a generation session through this stage, with the session's KV cache kept here
+CLAIM = "claim"  # a hedge target asks the replica first called whether it may apply the microbatch (exactly_once.py)
 
 OVER_SHARE = "over_share"
 

@@ -78,6 +78,7 @@ class Downstream:
         boundary); retries other replicas on failures (bounded). ``version``: this stage's ``sent_version`` for the
         microbatch (the receiver's SENTINEL uses it)."""
         down_meta = dict(meta, stage=self.next_stage, version=version)
+        down_meta.pop("hedge_of", None)  # a hedge between our stage's replicas; the next stage's call is our own
         tensors = [boundary.coords, boundary.tokens, last]
         screening = self.hooks.screening
         train = meta.get("train", True)

@@ -6,7 +6,13 @@ hold a duplicate while the trainer's next microbatch slid into the next step, an
 see the same samples. The trainer labels each training microbatch (``meta["mb"]``, random) and every stage passes
 the label on. Here a labelled microbatch runs in a task of its own (a caller that goes away does not cancel it
 halfway through forward, downstream and backward), and a retry with the same caller and label waits for that run
-or gets its reply from a small cache. A retry that goes to another replica is not covered: see docs/AVERAGING.md.
+or gets its reply from a small cache.
+
+A hedge sends the microbatch to a second replica while the first may still run it. Before either applies it (sends
+it downstream, or accumulates it at the tail) it passes its point of no return (``pass_point``); the hedge target
+first claims the key from the first replica (``claim``): granted unless that one already passed, in which case the
+target drops it; once granted, the first replica drops it at its point. A claim that gets no answer (the first
+replica is frozen: it drops what it held when it wakes) lets the target go on. See docs/AVERAGING.md.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ class ExactlyOnce:
         self.done: OrderedDict[Hashable, tuple[float, int, Reply]] = OrderedDict()
         self.bytes = 0
         self.duplicates = 0  # retries answered without running the microbatch again
+        # Keys whose run here passed its point of no return, and keys a hedge target claimed (see the docstring);
+        # both kept ``keep_s`` seconds, at most ``max_entries`` each.
+        self.passed: OrderedDict[Hashable, float] = OrderedDict()
+        self.yielded: OrderedDict[Hashable, float] = OrderedDict()
 
     async def run(self, key: Optional[Hashable], compute: Callable[[], Awaitable[Reply]]) -> Reply:
         """``compute()``'s reply; for a ``key`` seen before, the reply of its first run (awaited if it still runs)."""
@@ -73,6 +83,32 @@ class ExactlyOnce:
         runs it again: either way this run must not commit it."""
         return key is None or self.waiters.get(key, 0) > 0
 
+    def claim(self, key: Hashable) -> bool:
+        """A hedge target asks for ``key``: True (it may apply it; our run will not) unless our run passed its point
+        of no return. The key is remembered even if its run has not arrived here yet."""
+        self._expire()
+        if key in self.passed:
+            return False
+        self._remember(self.yielded, key)
+        return True
+
+    def pass_point(self, key: Optional[Hashable]) -> bool:
+        """Our run of ``key`` is about to apply it: False if a hedge target claimed it first (drop it; the claim is
+        used up, so a later retry of the microbatch here runs), else True, and later claims are refused. Nothing
+        may be awaited between this and the application."""
+        if key is None:
+            return True
+        if self.yielded.pop(key, None) is not None:
+            return False
+        self._remember(self.passed, key)
+        return True
+
+    def _remember(self, keys: "OrderedDict[Hashable, float]", key: Hashable) -> None:
+        keys[key] = time.monotonic()
+        keys.move_to_end(key)
+        while len(keys) > self.max_entries:
+            keys.popitem(last=False)
+
     def _finished(self, key: Hashable, task: asyncio.Task) -> None:
         self.running.pop(key, None)
         if task.cancelled() or task.exception() is not None:  # retrieved here: a retry runs it again
@@ -90,6 +126,9 @@ class ExactlyOnce:
         now = time.monotonic()
         while self.done and now - next(iter(self.done.values()))[0] > self.keep_s:
             self._pop_oldest()
+        for keys in (self.passed, self.yielded):
+            while keys and now - next(iter(keys.values())) > self.keep_s:
+                keys.popitem(last=False)
 
     def _pop_oldest(self) -> None:
         _, (_, size, _) = self.done.popitem(last=False)

@@ -20,7 +20,8 @@ from hivemind.p2p import PeerID
 from agora.config import Manifest
 from agora.net import transport
 from agora.net.state_transfer import StateSnapshots
-from agora.net.protocol import FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD
+from agora.net.errors import CONNECTION_LOST, NO_HANDLER, TIMEOUT, UNREACHABLE
+from agora.net.protocol import CLAIM, FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
 from agora.server.exactly_once import ExactlyOnce, microbatch_key
@@ -28,6 +29,13 @@ from agora.server.runtime import StageRuntime, trim_heap
 from agora.server.runtime import Pending
 from agora.server.screening import Message
 from agora.wire import bytes_per_token
+
+# How long a hedge target waits for the first replica's answer to its claim (``StageHandler._claim``); no answer in
+# that time means it is frozen or gone, and the target applies the microbatch.
+CLAIM_TIMEOUT_S = 2.0
+# Answers to a claim that say the first replica will not apply the microbatch (it no longer serves that stage).
+WILL_NOT_APPLY = frozenset({TIMEOUT, UNREACHABLE, CONNECTION_LOST, NO_HANDLER, "leaving", "not_serving",
+                            "wrong_stage"})
 
 logger = logging.getLogger("agora.node")
 
@@ -96,6 +104,8 @@ class StageHandler:
         self.largest_request = largest_request_bytes(self.manifest)
         self.exactly_once = ExactlyOnce()
         self.dropped = 0  # training requests dropped at their commit point (caller gone, or this process frozen)
+        self.claims_lost = 0  # hedged microbatches dropped here: the replica first called had already applied them
+        self.claims_granted = 0  # claims of hedge targets we granted (our run of that microbatch then drops it)
 
     async def register(self, p2p) -> None:
         """Serve the RPCs. Each request's header is admitted (``admit_compute`` / ``admit_state`` / ``admit_info``)
@@ -106,6 +116,7 @@ class StageHandler:
         await transport.add_handler(p2p, ns, GET_STATE, self.get_state, gate=gate, admit=self.admit_state)
         await transport.add_handler(p2p, ns, INFO, self.info, gate=gate, admit=self.admit_info)
         await transport.add_handler(p2p, ns, TIED_GRAD, self.tied_grad, gate=gate, admit=self.admit_compute)
+        await transport.add_handler(p2p, ns, CLAIM, self.claim, gate=gate, admit=self.admit_info)
         # Generation sessions: admission is ours (authorize, bans, rate limit, check_addressed, size).
         inference = self.node.inference
         await transport.add_handler(p2p, ns, INFER, inference.infer, stats=inference.wire, gate=gate,
@@ -228,7 +239,8 @@ class StageHandler:
             await self._screen_activations(sender, meta, tensors)
         key = microbatch_key(sender, meta) if train else None  # a retry is not accumulated twice (exactly_once.py)
         return await self.exactly_once.run(key, lambda: self.process(rt, meta, tensors, train,
-                                                                     wanted=lambda: self.exactly_once.wanted(key)))
+                                                                     wanted=lambda: self.exactly_once.wanted(key),
+                                                                     key=key))
 
     async def _audit(self, rt: StageRuntime, tensors: list[torch.Tensor]):
         """Recompute for a replica's receiver; nothing here trains on it, so it is not screened either."""
@@ -250,8 +262,9 @@ class StageHandler:
 
     # ------------------------------------------------------------------ one microbatch through this stage
     async def process(self, rt: StageRuntime, meta: dict, tensors: list[torch.Tensor], train: bool,
-                      wanted: Callable[[], bool] = lambda: True):
-        """Forward here, the rest of the pipeline downstream, backward here; the reply goes upstream."""
+                      wanted: Callable[[], bool] = lambda: True, key: Any = None):
+        """Forward here, the rest of the pipeline downstream, backward here; the reply goes upstream. ``key``: the
+        microbatch's retry key (``exactly_once.microbatch_key``), None for an unlabelled request."""
         node, counters = self.node, self.node.counters
         generation, downstream = rt.generation, node.downstream  # this request belongs to the stage served now
         rt.check_generation(generation)
@@ -280,11 +293,11 @@ class StageHandler:
             counters.eval += 0 if train else 1
             if rt.is_tail:
                 if train:
-                    self._commit_or_drop(epoch, wanted)
+                    await self._point_of_no_return(epoch, wanted, key, meta)
                 return await self._finish_tail(rt, pending, loss, train)
             boundary = rt.boundary(pending)
             if train:  # nobody waits for it (a hedge won elsewhere): the next stages must not apply it either
-                self._commit_or_drop(epoch, wanted)
+                await self._point_of_no_return(epoch, wanted, key, meta)
             down_meta, down_tensors = await downstream.send(meta, boundary, tensors[-1], pending.version)
             path = [node.peer_id, *down_meta.get("path", [])]
             if not train:
@@ -317,6 +330,49 @@ class StageHandler:
         if not wanted():
             self.dropped += 1
             raise RpcError("leaving", "the caller went away before this microbatch was applied; dropped")
+
+    async def _point_of_no_return(self, epoch: int, wanted: Callable[[], bool], key: Any, meta: dict) -> None:
+        """The last check before a training microbatch is applied (sent downstream, or accumulated at the tail): as
+        ``_commit_or_drop``, and exactly one of a hedged pair goes on (server/exactly_once.py): a hedge target first
+        claims the key from the replica called first (``meta["hedge_of"]``); a run drops it if a hedge target's
+        claim came first. Nothing is awaited between the checks and the caller's next step."""
+        first = meta.get("hedge_of")
+        if key is not None and isinstance(first, str) and first != self.node.peer_id:
+            if not await self._claim(first, key):
+                self.claims_lost += 1
+                raise RpcError("leaving", f"replica {first[-8:]}, called first, already applies this microbatch; "
+                                          f"dropped here")
+        self._commit_or_drop(epoch, wanted)
+        if not self.exactly_once.pass_point(key):
+            self.dropped += 1
+            raise RpcError("leaving", "a hedge to another replica applies this microbatch; dropped")
+
+    async def _claim(self, first: str, key: Any) -> bool:
+        """Whether we may apply the microbatch ``key`` that its caller also sent to ``first``: granted, or no
+        answer within ``CLAIM_TIMEOUT_S`` (frozen: it drops what it held when it wakes), or it no longer serves."""
+        node, m = self.node, self.manifest
+        origin, label = key
+        request = {"run_id": m.run_id, "manifest_hash": m.hash, "stage": node.stage_index, "origin": origin,
+                   "mb": label}
+        try:
+            reply, _ = await transport.call(node.p2p, first, m.run_id, CLAIM, request, [], CLAIM_TIMEOUT_S)
+        except RpcError as err:
+            return err.code in WILL_NOT_APPLY
+        return reply.get("granted") is True
+
+    async def claim(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
+        """A replica of our stage that a caller hedged one of our microbatches to asks whether it may apply it."""
+        self.check_addressed(meta)
+        origin = meta.get("origin")
+        key = microbatch_key(origin, meta) if isinstance(origin, str) and 0 < len(origin) <= 128 else None
+        if key is None:
+            raise self.reject("bad_request", "a claim names the microbatch's caller ('origin') and label ('mb')")
+        sync = self.node.sync
+        if sync is None or str(caller) not in sync.replica_ids:  # only a replica of this stage may take our work
+            return {"granted": False}, []
+        granted = self.exactly_once.claim(key)
+        self.claims_granted += int(granted)
+        return {"granted": granted}, []
 
     async def _finish_tail(self, rt: StageRuntime, pending: Pending, loss, train: bool):
         grad_in = None

@@ -193,6 +193,11 @@ class StageNode:
     def _note_compute_thread(self) -> None:
         self.compute_thread_id = threading.get_native_id()
 
+    @property
+    def p2p(self):
+        """hivemind's P2P of this node (None before ``start``)."""
+        return self._p2p
+
     async def run_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 

@@ -149,6 +149,7 @@ class ReplicaSync:
         self._banned: set[str] = set()
         self._banned_at = 0.0
         self.unresponsive: dict[str, float] = {}  # replicas that failed a probe, and when (see PROBE_TIMEOUT_S)
+        self.replica_ids: set[str] = set()  # the other replicas in the stage's records at the last read
         self.left_rounds = 0  # all-reduces our side left because a partner stopped answering
         self.probe_failures = 0  # probes of replicas that got no answer (``probe``)
         self.typical_allreduce_s: Optional[float] = None  # moving average of finished all-reduces (from their start)
@@ -222,6 +223,7 @@ class ReplicaSync:
     async def replicas(self) -> list[StageRecord]:
         c, m = self.ctx, self.ctx.manifest
         recs = await c.run_io(read_stage, c.dht, m.run_id, c.stage_index, m.hash)
+        self.replica_ids = {r.peer_id for r in recs if r.peer_id != c.peer_id}
         others = [r for r in recs if r.peer_id != c.peer_id and not self._is_unresponsive(r.peer_id)]
         self._note_replicas(others)
         return others
