@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from hivemind.p2p import PeerID
@@ -264,7 +264,23 @@ class StageHandler:
     async def process(self, rt: StageRuntime, meta: dict, tensors: list[torch.Tensor], train: bool,
                       wanted: Callable[[], bool] = lambda: True, key: Any = None):
         """Forward here, the rest of the pipeline downstream, backward here; the reply goes upstream. ``key``: the
-        microbatch's retry key (``exactly_once.microbatch_key``), None for an unlabelled request."""
+        microbatch's retry key (``exactly_once.microbatch_key``), None for an unlabelled request.
+
+        A hedge (``meta["hedge_of"]``: the peer its caller called first) claims the microbatch from that peer at
+        once, so the claim's wait (up to ``CLAIM_TIMEOUT_S`` when that peer is frozen) overlaps admission and the
+        forward; it is awaited at the point of no return."""
+        first = meta.get("hedge_of") if train else None
+        claim: Optional[asyncio.Future] = None
+        if key is not None and isinstance(first, str) and first != self.node.peer_id:
+            claim = asyncio.ensure_future(self._claim(first, key))
+        try:
+            return await self._process(rt, meta, tensors, train, wanted, key, claim)
+        finally:
+            if claim is not None and not claim.done():
+                claim.cancel()
+
+    async def _process(self, rt: StageRuntime, meta: dict, tensors: list[torch.Tensor], train: bool,
+                       wanted: Callable[[], bool], key: Any, claim: Optional[asyncio.Future]):
         node, counters = self.node, self.node.counters
         generation, downstream = rt.generation, node.downstream  # this request belongs to the stage served now
         rt.check_generation(generation)
@@ -293,11 +309,11 @@ class StageHandler:
             counters.eval += 0 if train else 1
             if rt.is_tail:
                 if train:
-                    await self._point_of_no_return(epoch, wanted, key, meta)
+                    await self._point_of_no_return(epoch, wanted, key, meta, claim)
                 return await self._finish_tail(rt, pending, loss, train)
             boundary = rt.boundary(pending)
             if train:  # nobody waits for it (a hedge won elsewhere): the next stages must not apply it either
-                await self._point_of_no_return(epoch, wanted, key, meta)
+                await self._point_of_no_return(epoch, wanted, key, meta, claim)
             down_meta, down_tensors = await downstream.send(meta, boundary, tensors[-1], pending.version)
             path = [node.peer_id, *down_meta.get("path", [])]
             if not train:
@@ -331,17 +347,16 @@ class StageHandler:
             self.dropped += 1
             raise RpcError("leaving", "the caller went away before this microbatch was applied; dropped")
 
-    async def _point_of_no_return(self, epoch: int, wanted: Callable[[], bool], key: Any, meta: dict) -> None:
+    async def _point_of_no_return(self, epoch: int, wanted: Callable[[], bool], key: Any, meta: dict,
+                                  claim: Optional[asyncio.Future]) -> None:
         """The last check before a training microbatch is applied (sent downstream, or accumulated at the tail): as
-        ``_commit_or_drop``, and exactly one of a hedged pair goes on (server/exactly_once.py): a hedge target first
-        claims the key from the replica called first (``meta["hedge_of"]``); a run drops it if a hedge target's
-        claim came first. Nothing is awaited between the checks and the caller's next step."""
-        first = meta.get("hedge_of")
-        if key is not None and isinstance(first, str) and first != self.node.peer_id:
-            if not await self._claim(first, key):
-                self.claims_lost += 1
-                raise RpcError("leaving", f"replica {first[-8:]}, called first, already applies this microbatch; "
-                                          f"dropped here")
+        ``_commit_or_drop``, and exactly one of a hedged pair goes on (server/exactly_once.py): a hedge target's
+        ``claim`` on the replica called first (``meta["hedge_of"]``) must have been granted; a run drops it if a
+        hedge target's claim came first. Nothing is awaited between the checks and the caller's next step."""
+        if claim is not None and not await claim:
+            self.claims_lost += 1
+            raise RpcError("leaving", f"replica {str(meta.get('hedge_of'))[-8:]}, called first, already applies this "
+                                      f"microbatch; dropped here")
         self._commit_or_drop(epoch, wanted)
         if not self.exactly_once.pass_point(key):
             self.dropped += 1
@@ -358,7 +373,10 @@ class StageHandler:
             reply, _ = await transport.call(node.p2p, first, m.run_id, CLAIM, request, [], CLAIM_TIMEOUT_S)
         except RpcError as err:
             return err.code in WILL_NOT_APPLY
-        return reply.get("granted") is True
+        except Exception as err:  # not an answer we understand: the first peer may apply it, so we do not
+            logger.warning(f"claim on {first[-8:]} failed: {err!r}")
+            return False
+        return isinstance(reply, dict) and reply.get("granted") is True
 
     async def claim(self, meta: dict, tensors: list[torch.Tensor], caller: PeerID):
         """A replica of our stage that a caller hedged one of our microbatches to asks whether it may apply it."""
