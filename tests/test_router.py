@@ -11,7 +11,7 @@ import torch
 from agora.client.router import Router, RouterOptions
 from agora.config import load_manifest
 from agora.net import transport
-from agora.net.protocol import OVER_SHARE
+from agora.net.protocol import OVER_SHARE, held_seconds
 from agora.net.records import StageRecord
 from agora.net.transport import RpcError
 from agora.server.observers import Observers
@@ -288,3 +288,19 @@ def test_a_call_sent_on_by_a_replica_holding_its_share_is_hedged_back_to_it_as_a
     assert peer.peer_id == "a" and meta == {"from": "a"} and time.monotonic() - t0 < 2.0
     assert calls == [("a", 0), ("b", 1), ("a", 1)] and router.hedges == router.hedges_won == 1
     assert hedge_of == [None, None, "b"]  # the hedge target claims the microbatch from the peer called first
+
+
+def test_time_a_reply_says_it_was_held_for_a_batch_is_not_latency(monkeypatch):
+    """A peer whose calls waited 5 s for its stage's round still hedges after its working time: a frozen peer
+    otherwise stalled its callers for the whole timeout (4 x a latency inflated by holds)."""
+
+    async def fake_call(p2p, peer_id, namespace, name, meta, tensors, timeout, stats=None):
+        await asyncio.sleep(0.3)
+        return {"held_s": 0.25}, []
+
+    monkeypatch.setattr(transport, "call", fake_call)
+    router, _ = _router(["a"], hedge_factor=4.0, hedge_min_s=0.1)
+    asyncio.run(router.call({}, []))
+    assert router.latency["a"] < 0.15 and router.hedge_after("a") < 0.6
+    assert held_seconds({"held_s": -1}) == held_seconds({"held_s": "x"}) == held_seconds({}) == 0.0
+    assert held_seconds({"held_s": True}) == 0.0 and held_seconds({"held_s": 2}) == 2.0

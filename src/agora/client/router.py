@@ -19,7 +19,7 @@ import torch
 
 from agora.net import transport
 from agora.net.errors import CONNECTION_LOST
-from agora.net.protocol import BANNABLE, FWD_BWD, OVER_SHARE, RETRYABLE
+from agora.net.protocol import BANNABLE, FWD_BWD, OVER_SHARE, RETRYABLE, held_seconds
 from agora.net.records import StageRecord
 from agora.net.routing import BanList, pick_peer, pick_peer_or_fallback
 from agora.net.transport import RpcError, TransferStats
@@ -265,7 +265,8 @@ class Router:
                                          stats=self.stats)
         finally:
             self.inflight[peer_id] -= 1
-        took = time.monotonic() - started
+        # The peer's latency for hedging: its work, not the time the request waited for stages' batches to open.
+        took = max(0.0, time.monotonic() - started - held_seconds(reply[0]))
         self.latency[peer_id] = took if peer_id not in self.latency else 0.8 * self.latency[peer_id] + 0.2 * took
         self.typical_latency = took if self.typical_latency is None else 0.9 * self.typical_latency + 0.1 * took
         return reply

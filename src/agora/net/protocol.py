@@ -58,3 +58,14 @@ SESSION_LOST = frozenset({
     "unknown_session",  # the peer forgot the session (idle expiry, restart, stage move)
     "position_mismatch",  # the peer's cache and the client disagree (e.g. a chunk applied before a timeout)
 })
+
+
+def held_seconds(reply_meta: dict) -> float:
+    """The seconds a ``fwd_bwd`` reply says its request waited, along the rest of the pipeline, for stages' batches
+    to open (``held_s``; 0 when absent or not a sane number). Callers take it out of the call's latency: hedging
+    waits for a multiple of a peer's typical latency, and calls held for a round had stretched that bound to 30 s,
+    so a frozen peer stalled its callers for a whole timeout."""
+    value = reply_meta.get("held_s") if isinstance(reply_meta, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1e6:
+        return 0.0
+    return float(value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,7 +22,7 @@ from agora.config import Manifest
 from agora.net import transport
 from agora.net.state_transfer import StateSnapshots
 from agora.net.errors import CONNECTION_LOST, NO_HANDLER, TIMEOUT, UNREACHABLE
-from agora.net.protocol import CLAIM, FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD
+from agora.net.protocol import CLAIM, FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD, held_seconds
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
 from agora.server.exactly_once import ExactlyOnce, microbatch_key
@@ -289,10 +290,13 @@ class StageHandler:
                                           f"no training work for a moment")
         epoch = node.freeze.epoch
         sync, samples = node.sync, int(tensors[-1].shape[0])
+        held_s = 0.0  # seconds this request waited for the stage's batch to open (replies report it: held_seconds)
         if train and sync is not None:  # one target batch per step (ReplicaSync.batch_open)
             attempt = meta.get("attempt", 0)  # the sender's attempt (client/router.py); a retry is never redirected
+            admit_started = time.monotonic()
             await sync.admit_training(samples, self.hold_limit_s,
                                       first_attempt=not (isinstance(attempt, int) and attempt > 0))
+            held_s = time.monotonic() - admit_started
             try:
                 rt.check_generation(generation)  # the node may have moved while this waited
                 self._commit_or_drop(epoch, wanted)  # or its caller left (a hedge won elsewhere), or we were frozen
@@ -310,7 +314,8 @@ class StageHandler:
             if rt.is_tail:
                 if train:
                     await self._point_of_no_return(epoch, wanted, key, meta, claim)
-                return await self._finish_tail(rt, pending, loss, train)
+                reply, grads = await self._finish_tail(rt, pending, loss, train)
+                return dict(reply, held_s=held_s), grads
             boundary = rt.boundary(pending)
             if train:  # nobody waits for it (a hedge won elsewhere): the next stages must not apply it either
                 await self._point_of_no_return(epoch, wanted, key, meta, claim)
@@ -324,7 +329,8 @@ class StageHandler:
             grad_in = await node.run_compute(rt.backward, pending, grad)
             node.queue -= 1
             counters.backward += 1
-            return {"loss": down_meta.get("loss"), "path": path, "version": pending.version}, _tensors(grad_in)
+            return ({"loss": down_meta.get("loss"), "path": path, "version": pending.version,
+                     "held_s": held_s + held_seconds(down_meta)}, _tensors(grad_in))
         except RpcError:
             counters.failed += 1
             raise
