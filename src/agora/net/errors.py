@@ -24,6 +24,7 @@ __all__ = [
     "UNSUPPORTED_TENSOR",
     "BUSY",
     "TOO_SLOW",
+    "NO_ANSWER",
 ]
 
 INTERNAL = "internal"  # the remote handler raised something that is not an RpcError
@@ -41,6 +42,9 @@ BAD_METADATA = "bad_metadata"  # metadata is not a msgpack-able dict
 UNSUPPORTED_TENSOR = "unsupported_tensor"  # dtype/layout that cannot be serialized
 BUSY = "busy"  # the server is at one of its limits now (streams, buffered bytes, ...); the message says when to retry
 TOO_SLOW = "too_slow"  # the caller sent its request slower than the server's minimum rate (net/admission.py)
+# Failures that mean the peer never answered (frozen, gone, or not serving us): a probe or claim that ends so got no
+# reply, unlike a refusal such as BUSY, which the peer sent.
+NO_ANSWER = frozenset({TIMEOUT, UNREACHABLE, CONNECTION_LOST, NO_HANDLER})
 
 
 class RpcError(Exception):

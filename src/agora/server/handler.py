@@ -21,7 +21,7 @@ from hivemind.p2p import PeerID
 from agora.config import Manifest
 from agora.net import transport
 from agora.net.state_transfer import StateSnapshots
-from agora.net.errors import CONNECTION_LOST, NO_HANDLER, TIMEOUT, UNREACHABLE
+from agora.net.errors import NO_ANSWER
 from agora.net.protocol import CLAIM, FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD, held_seconds
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
@@ -35,8 +35,7 @@ from agora.wire import bytes_per_token
 # that time means it is frozen or gone, and the target applies the microbatch.
 CLAIM_TIMEOUT_S = 2.0
 # Answers to a claim that say the first replica will not apply the microbatch (it no longer serves that stage).
-WILL_NOT_APPLY = frozenset({TIMEOUT, UNREACHABLE, CONNECTION_LOST, NO_HANDLER, "leaving", "not_serving",
-                            "wrong_stage"})
+WILL_NOT_APPLY = NO_ANSWER | {"leaving", "not_serving", "wrong_stage"}
 
 logger = logging.getLogger("agora.node")
 

@@ -25,7 +25,7 @@ from hivemind import DHT
 
 from agora.config import Manifest
 from agora.model import tied_parameter
-from agora.net.errors import CONNECTION_LOST, NO_HANDLER, TIMEOUT, UNREACHABLE
+from agora.net.errors import NO_ANSWER
 from agora.net.members import RunMembers
 from agora.net import transport
 from agora.net.protocol import INFO, OVER_SHARE
@@ -54,7 +54,6 @@ UNRESPONSIVE_S = RECORD_TTL_S
 # partners probed; if one does not answer, our side leaves the round and steps on its own gradients.
 ALLREDUCE_PROBE_FACTOR = 4.0
 ALLREDUCE_PROBE_MIN_S = 3.0
-SILENT = frozenset({TIMEOUT, UNREACHABLE, CONNECTION_LOST, NO_HANDLER})  # a probe that failed so got no answer
 
 
 def batch_shares(target: int, microbatch: int, peers: list[tuple[str, float]]) -> dict[str, int]:
@@ -245,7 +244,7 @@ class ReplicaSync:
                 await transport.call(c.p2p, peer.peer_id, c.manifest.run_id, INFO, {}, [], PROBE_TIMEOUT_S)
                 return True
             except Exception as err:
-                if isinstance(err, RpcError) and err.code not in SILENT:
+                if isinstance(err, RpcError) and err.code not in NO_ANSWER:
                     return True  # it refused (busy, rate-limited, ...): alive, it answered
                 logger.warning(f"stage {c.stage_index}: replica {peer.peer_id[-8:]} did not answer a probe "
                                f"within {PROBE_TIMEOUT_S:g}s ({getattr(err, 'code', type(err).__name__)}); "
