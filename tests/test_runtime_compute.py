@@ -39,7 +39,7 @@ def _microbatch(runtimes, tokens, last, step_between=False):
     upstream = [runtimes[-1].finish_tail(pendings[-1])]
     for rt, pending in zip(reversed(runtimes[:-1]), reversed(pendings[:-1])):
         upstream.append(rt.backward(pending, upstream[-1]))
-    grads = [[p.grad.clone() for p in rt.stage.parameters()] for rt in runtimes]
+    grads = [[None if p.grad is None else p.grad.clone() for p in rt.stage.parameters()] for rt in runtimes]
     return loss, grads, upstream
 
 
@@ -192,3 +192,29 @@ def test_a_process_forked_from_a_node_drops_the_stage_tensors_and_the_node_keeps
     os.waitpid(pid, 0)
     assert child_held == 0
     assert [p.numel() for p in rt.stage.parameters()] == sizes and rt.active
+
+
+def test_recompute_runs_at_the_depth_and_write_scales_of_its_forward_step():
+    """Architecture warm-up with ramped writes: a step taken while the microbatch is in flight changes a joined
+    block's write scale (and joins the next block); the recomputed forward must use its own step's, or the
+    gradients differ from the stashed graph's."""
+    manifest = MAN.with_overrides(**{"optimizer.total_steps": 10,
+                                     "training.warmup_depth": {"until": 0.3, "ramp_steps": 4}})
+    tokens = torch.randint(0, manifest.model.vocab_size, (4, manifest.model.seq_len), dtype=torch.int32)
+    last = torch.randint(0, manifest.model.vocab_size, (4,), dtype=torch.int32)
+    results = []
+    for backward in ("stash", "recompute"):
+        runtimes = _runtimes(RuntimeOptions(backward=backward), manifest)
+        for _ in range(2):  # block 1 joins at step 1, writes at 2/4 of full size at step 2 (block 2 joins)
+            for rt in runtimes:
+                rt.apply_step([torch.full_like(p, 1e-2, dtype=torch.float64) for p in rt.stage.parameters()])
+        body = runtimes[1].stage
+        assert body.active_depth == 3 and body.write_scales == {"1": 0.5, "2": 0.25}
+        assert torch.count_nonzero(body.layers["1"].self_attn.o_proj.weight) > 0
+        results.append(_microbatch(runtimes, tokens, last, step_between=True))
+        assert body.write_scales == {"1": 0.75, "2": 0.5}  # the step in flight moved the ramps on
+    stash, again = results
+    assert stash[0] == again[0]
+    for a, b in zip(stash[1], again[1]):
+        for ga, gb in zip(a, b):
+            assert (ga is None and gb is None) or torch.equal(ga, gb)  # None: a block still bypassed

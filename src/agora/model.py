@@ -162,16 +162,19 @@ class Block(nn.Module):
         if self.subspace:
             self.branch_norm = RMSNorm(out_dim, shape.norm_eps, gain=False)
 
-    def _write(self, x: Tensor, update: Tensor, basis: Optional[Tensor]) -> Tensor:
-        if not self.subspace:
-            return x + update
-        return x + self.branch_norm(update) @ basis.T
+    def _write(self, x: Tensor, update: Tensor, basis: Optional[Tensor], scale: float) -> Tensor:
+        if self.subspace:
+            update = self.branch_norm(update) @ basis.T
+        return x + (update if scale == 1.0 else update * scale)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, basis: Optional[Tensor], kv: Optional["LayerKV"] = None
+        self, x: Tensor, cos: Tensor, sin: Tensor, basis: Optional[Tensor], kv: Optional["LayerKV"] = None,
+        scale: float = 1.0,
     ) -> Tensor:
-        x = self._write(x, self.self_attn(self.input_layernorm(x), cos, sin, kv), basis)
-        return self._write(x, self.mlp(self.post_attention_layernorm(x)), basis)
+        """``scale`` multiplies both residual writes: 1 but for a block that joined in the last ``ramp_steps``
+        steps of an architecture warm-up (``write_scale``)."""
+        x = self._write(x, self.self_attn(self.input_layernorm(x), cos, sin, kv), basis, scale)
+        return self._write(x, self.mlp(self.post_attention_layernorm(x)), basis, scale)
 
 
 # --------------------------------------------------------------------------- KV cache for incremental decoding
@@ -323,6 +326,7 @@ class Stage(nn.Module):
         if not 0 <= index < manifest.n_stages:
             raise ValueError(f"stage {index} does not exist: the manifest has {manifest.n_stages} stages")
         shape = manifest.model
+        self.manifest = manifest  # the warm-up's schedule (set_step) reads it
         self.manifest_hash = manifest.hash
         self.shape = shape
         self.spec = StageSpec(index, manifest.n_stages, manifest.stage_layers(index))
@@ -352,8 +356,10 @@ class Stage(nn.Module):
         # UPM (agora.frames): the map from this stage's frame into the next stage's, float64, k x k (subspace) or
         # d x d (dense). None: no frames, the identity.
         self.register_buffer("boundary_map", None)
-        # Architecture warm-up: blocks with a global index >= active_depth are bypassed (x passes through).
+        # Architecture warm-up: blocks with a global index >= active_depth are bypassed (x passes through), and a
+        # block that joined recently writes at a scale below 1 (``write_scales``, by name; 1 when absent).
         self.active_depth = active_depth(manifest, 0)
+        self.write_scales: dict[str, float] = {}
         self.reset_parameters(manifest.seed)
 
     # ------------------------------------------------------------------ init
@@ -395,7 +401,7 @@ class Stage(nn.Module):
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for name, block in self.layers.items():
             if int(name) < self.active_depth:
-                x = block(x, cos, sin, self.basis if block.subspace else None)
+                x = block(x, cos, sin, self.basis if block.subspace else None, scale=self.write_scales.get(name, 1.0))
         return self._to_next_frame(x)
 
     # ------------------------------------------------------------------ architecture warm-up
@@ -410,6 +416,19 @@ class Stage(nn.Module):
             block.self_attn.o_proj.weight.zero_()
             block.mlp.down_proj.weight.zero_()
         self.active_depth = max(self.active_depth, depth)
+        return joined
+
+    def set_step(self, step: int) -> None:
+        """Compute as after ``step`` optimizer steps of the warm-up: its depth and its joined blocks' write scales
+        (no weight changes: ``grow_for_step`` zeroes the blocks that join)."""
+        self.active_depth = active_depth(self.manifest, step)
+        self.write_scales = {name: s for name in self.layers
+                             if (s := write_scale(self.manifest, int(name), step)) != 1.0}
+
+    def grow_for_step(self, step: int) -> list[str]:
+        """The blocks due at ``step`` join (``grow_to``) and the ramps move on (``set_step``); the names joined."""
+        joined = self.grow_to(active_depth(self.manifest, step))
+        self.set_step(step)
         return joined
 
     def inactive_parameters(self) -> list[nn.Parameter]:
@@ -447,7 +466,8 @@ class Stage(nn.Module):
         cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
         for name, block in self.layers.items():
             if int(name) < self.active_depth:
-                x = block(x, cos, sin, self.basis if block.subspace else None, cache.layer(name))
+                x = block(x, cos, sin, self.basis if block.subspace else None, cache.layer(name),
+                          scale=self.write_scales.get(name, 1.0))
         cache.advance(t)
         return self._to_next_frame(x)
 
@@ -462,7 +482,8 @@ class Stage(nn.Module):
 
 
 def active_depth(manifest: Manifest, step: int) -> int:
-    """Blocks active (global index below it) after ``step`` optimizer steps: ``model.n_layers`` without
+    """Blocks active (global index below it) after ``step`` steps of the warm-up clock (optimizer steps in mode
+    ``steps``; those the curvature did not hold in mode ``curvature``): ``model.n_layers`` without
     ``training.warmup_depth``; with it, ``start_depth`` at step 0, one more block at a time, all of them from
     ``until * optimizer.total_steps`` on."""
     n = manifest.model.n_layers
@@ -471,6 +492,72 @@ def active_depth(manifest: Manifest, step: int) -> int:
         return n
     full_at = warm.until * manifest.optimizer.total_steps
     return min(n, warm.start_depth + math.floor(step * (n - warm.start_depth) / full_at))
+
+
+def join_step(manifest: Manifest, layer: int) -> int:
+    """The first step at which block ``layer`` (global index) is active: 0 without a warm-up or for the first
+    ``start_depth`` blocks, and never beyond ``until * total_steps``."""
+    if layer < active_depth(manifest, 0):
+        return 0
+    lo, hi = 0, max(1, math.ceil(manifest.training.warmup_depth.until * manifest.optimizer.total_steps))
+    while lo < hi:  # the smallest step whose depth includes the block (active_depth only grows with the step)
+        mid = (lo + hi) // 2
+        if active_depth(manifest, mid) > layer:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def ramp_steps(manifest: Manifest) -> int:
+    """Steps over which a joined block's write grows to full size: ``ramp_steps``, by default the steps between two
+    joins (so a block reaches full size when the next one joins); 1 without a warm-up."""
+    warm = manifest.training.warmup_depth
+    if warm is None:
+        return 1
+    if warm.ramp_steps is not None:
+        return warm.ramp_steps
+    joins = manifest.model.n_layers - warm.start_depth
+    return max(1, round(warm.until * manifest.optimizer.total_steps / joins))
+
+
+def write_scale(manifest: Manifest, layer: int, step: int) -> float:
+    """The factor on block ``layer``'s residual writes after ``step`` optimizer steps: ``(step - joined + 1) / R``
+    up to 1, where ``joined`` is its join step and R is ``ramp_steps``.
+
+    Why: a joined block starts with zeroed output projections, but its first update is not small: Adam's first
+    step moves every weight by about the learning rate, and in subspace mode the write passes through a gain-less
+    RMSNorm that makes any non-zero write full size. Measured on ``small`` at 10x the learning rate without it, the
+    training loss jumped from 7.8 to 22.0 as the last blocks joined. At the join step the scale is ``1 / R`` on a
+    zero write (the function is unchanged, and the block still gets a gradient)."""
+    ramp = ramp_steps(manifest)
+    if ramp == 1 or manifest.training.warmup_depth is None:
+        return 1.0
+    joined = join_step(manifest, layer)
+    if step < joined or joined == 0:
+        return 1.0  # bypassed (the scale is not used) or active from the start
+    return min(1.0, (step - joined + 1) / ramp)
+
+
+# Curvature-mode warm-up: the measurement a step's decision reads is at least this many steps old, so every replica
+# of every stage has published its own (after the measurement's step) before anyone reads it.
+WARMUP_LAG_STEPS = 2
+
+
+def warmup_end(manifest: Manifest) -> int:
+    """The warm-up clock's value from which every block is active at full scale (0 without a warm-up)."""
+    if manifest.training.warmup_depth is None:
+        return 0
+    return join_step(manifest, manifest.model.n_layers - 1) + ramp_steps(manifest) - 1
+
+
+def warmup_measurement(manifest: Manifest, step: int) -> Optional[int]:
+    """Curvature mode: the measurement (by the optimizer step after which it was taken) that decides whether the
+    warm-up clock advances with optimizer step ``step`` (taken from ``step`` to ``step + 1``): the latest one at
+    least ``WARMUP_LAG_STEPS`` old; None before the first one (the clock advances)."""
+    every = manifest.training.warmup_depth.curvature_every
+    m = (step - WARMUP_LAG_STEPS) // every * every
+    return m if m >= every else None
 
 
 def tied_parameter(stage: Stage) -> Optional[nn.Parameter]:
@@ -516,9 +603,9 @@ class PipelineModel(nn.Module):
         return self.stages[-1].loss(x, targets)
 
     def grow_for_step(self, step: int) -> list[str]:
-        """Architecture warm-up: activate the blocks due after ``step`` optimizer steps (``Stage.grow_to``)."""
-        depth = active_depth(self.manifest, step)
-        return [name for stage in self.stages for name in stage.grow_to(depth)]
+        """Architecture warm-up: activate the blocks due after ``step`` optimizer steps and move the joined blocks'
+        write ramps on (``Stage.grow_for_step``)."""
+        return [name for stage in self.stages for name in stage.grow_for_step(step)]
 
 
 # --------------------------------------------------------------------------- size accounting

@@ -287,6 +287,10 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "consensus_distance": sync.consensus_distance if sync else None,
         # the stage's top preconditioned Hessian eigenvalue, lr x it against the stability threshold, alarms
         "curvature": node.runtime.curvature.summary() if node.runtime.curvature is not None else None,
+        # architecture warm-up: the blocks active, the clock they follow and (mode curvature) the steps it was held
+        "warmup": ({"active_depth": node.runtime.stage.active_depth, "clock": node.runtime.warmup_clock,
+                    "held_steps": sum(s.warmup_brake.held_steps for s in syncs)}
+                   if node.manifest.training.warmup_depth is not None else None),
         **node.state_access.summary(),
         "maddrs": node.maddrs,
         "fingerprint": sync.fingerprint if sync else 0.0,
@@ -433,7 +437,7 @@ async def _download_stages(dht, manifest: Manifest, snap: dict, timeout: float) 
             except transport.RpcError as err:
                 errors.append(f"{peer['short_id']}: {err}")
                 continue
-            stages.append(stage_from_state(manifest, index, names, tensors))
+            stages.append(stage_from_state(manifest, index, names, tensors, int(reply["step"])))
             steps[index] = int(reply["step"])
             break
         else:

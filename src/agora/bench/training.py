@@ -46,6 +46,7 @@ class TrainingOptions:
     curvature_hvps: int = 3
     curvature_sequences: int = 2  # of the measurement microbatch (a Hessian-vector product costs ~2 backwards)
     warmup_until: float = 0.3  # architecture warm-up rows (spiking lr): every block active at this share of steps
+    # (mode steps; mode curvature runs the same schedule on a clock held while lr x lambda > 0.5 x the threshold)
     sections: tuple[str, ...] = ("optimizers", "curvature")
 
 
@@ -123,47 +124,29 @@ def count_spikes(losses: list[float], rise: float = 0.1, window: int = 5) -> int
     return sum(1 for t in range(window, len(losses)) if losses[t] > (1 + rise) * min(losses[t - window:t]))
 
 
-def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOptions, warmup: bool = False) -> dict:
-    """AdamW at ``factor`` x the preset's learning rate (with architecture warm-up: ``training.warmup_depth``), the
-    whole model's curvature tracked every N steps on a few fixed training sequences, with the optimizer's own
-    second moments (agora.optim.curvature)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from agora.optim import lr_at
-    from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters
-
+def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOptions, warmup: str = "") -> dict:
+    """AdamW at ``factor`` x the preset's learning rate, with architecture warm-up ``warmup`` ("", "steps" or
+    "curvature": ``training.warmup_depth.mode``), the whole model's curvature tracked every N steps on a few fixed
+    training sequences with the optimizer's own second moments (``train_local.ModelCurvature``)."""
     m = base.with_overrides(**{"optimizer.name": "adamw", "optimizer.total_steps": opts.steps, "seed": seed,
                                "optimizer.lr": base.optimizer.lr * factor, **opts.overrides})
     if warmup:
-        m = m.with_overrides(**{"training.warmup_depth": {"until": opts.warmup_until}})
-    train, _, _ = build_datasets(m)
-    sample = next(train.batches(m.batch.microbatch_size, seed=seed + 1))[:opts.curvature_sequences]
-    beta1, beta2 = m.optimizer.betas
-    state: dict = {"tracker": None, "values": [], "alarms": 0, "seconds": 0.0}
-
-    def after_step(model, opt, step: int) -> None:
-        if (step + 1) % opts.curvature_every:
-            return
-        params = tracked_parameters(list(model.named_parameters()))  # all but token embeddings
-        if state["tracker"] is None:
-            state["tracker"] = CurvatureTracker(params, hvps=opts.curvature_hvps, seed=seed)
-        tracker = state["tracker"]
-        moments = [opt.state.get(p, {}).get("exp_avg_sq") for p in params]
-        steps = int(opt.state[params[0]]["step"])
-        with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
-            value = tracker.measure(lambda: model.loss(sample[:, :-1], sample[:, 1:]), moments, beta2, steps)
-        state["seconds"] += tracker.last_seconds
-        lr = lr_at(m.optimizer, step + 1)
-        state["values"].append({"step": step + 1, "lambda": value, "lr_x_lambda": lr * value})
-        state["alarms"] += int(tracker.alarm(lr, beta1))
-
-    summary, _ = train_model(m, opts.steps, val_batches=opts.val_batches, after_step=after_step)
-    train_s = summary["wall_s"] - state["seconds"]
-    return {"lr": m.optimizer.lr, "factor": factor, "warmup": warmup, "seed": seed, "val_loss": summary["val_loss"],
-            "spikes": count_spikes(summary["train_loss"]), "alarms": state["alarms"],
-            "threshold": alarm_threshold(beta1), "curvature": state["values"], "train_loss": summary["train_loss"],
-            "tracker_s": state["seconds"], "train_s": train_s,
-            "tracker_share": state["seconds"] / max(train_s, 1e-9)}
+        warm = {"until": opts.warmup_until, "mode": warmup}
+        if warmup == "curvature":
+            warm["curvature_every"] = opts.curvature_every
+        m = m.with_overrides(**{"training.warmup_depth": warm})
+    summary, _ = train_model(m, opts.steps, val_batches=opts.val_batches, curvature_every=opts.curvature_every,
+                             curvature_hvps=opts.curvature_hvps, curvature_sequences=opts.curvature_sequences)
+    c = summary["curvature"]
+    train_s = summary["wall_s"] - c["seconds"]
+    depth = [r["depth"] for r in summary["history"]]
+    full = next((r["step"] + 1 for r in summary["history"] if r["depth"] == m.model.n_layers), None)
+    return {"lr": m.optimizer.lr, "factor": factor, "warmup": warmup or "no", "seed": seed,
+            "val_loss": summary["val_loss"], "spikes": count_spikes(summary["train_loss"]), "alarms": c["alarms"],
+            "threshold": c["threshold"], "curvature": c["values"], "train_loss": summary["train_loss"],
+            "depth": depth, "all_blocks_at_step": full,
+            "held_steps": (summary["warmup"] or {}).get("held_steps", 0),
+            "tracker_s": c["seconds"], "train_s": train_s, "tracker_share": c["seconds"] / max(train_s, 1e-9)}
 
 
 def _median_spread(values: list[float]) -> dict:
@@ -199,24 +182,28 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                       _fmt(row["pseudo_gradient_rank4_residual"], ".3f"), _fmt(row["train_wall_s"], ".0f")])
     tokens = runs[0]["tokens"] if runs else 0
     curvature_runs = []
-    variants = [(1.0, False)] + [(f, w) for f in opts.spike_lr_factors for w in (False, True)]
+    variants = [(1.0, "")] + [(f, w) for f in opts.spike_lr_factors for w in ("", "steps", "curvature")]
     for seed in opts.seeds if "curvature" in opts.sections else ():
         for factor, warmup in variants:
             r = run_curvature(base, factor, seed, opts, warmup)
             curvature_runs.append(r)
-            log(f"adamw lr {r['lr']:.3g}{' warm-up' if warmup else ''} seed {seed}: val {r['val_loss']:.4f}, spikes {r['spikes']}, alarms "
-                f"{r['alarms']}, lambda {[round(v['lambda'], 1) for v in r['curvature']]}, tracker "
+            log(f"adamw lr {r['lr']:.3g} warm-up {r['warmup']} seed {seed}: val {r['val_loss']:.4f}, spikes "
+                f"{r['spikes']}, alarms {r['alarms']}, lambda {[round(v['lambda'], 1) for v in r['curvature']]}, "
+                f"all blocks at step {r['all_blocks_at_step']}, held {r['held_steps']}, tracker "
                 f"{100 * r['tracker_share']:.1f}% of training time")
     curvature_table = []
     for factor, warmup in variants:
-        mine = [r for r in curvature_runs if r["factor"] == factor and r["warmup"] == warmup]
+        mine = [r for r in curvature_runs if r["factor"] == factor and r["warmup"] == (warmup or "no")]
         if not mine:
             continue
         lams = [v["lr_x_lambda"] for r in mine for v in r["curvature"] if math.isfinite(v["lr_x_lambda"])]
-        curvature_table.append([f"{mine[0]['lr']:.3g}",
-                                f"until {opts.warmup_until:g} of the steps" if warmup else "no", _fmt(_median_spread([r["val_loss"] for r in mine])),
+        label = {"": "no", "steps": f"steps, until {opts.warmup_until:g}",
+                 "curvature": f"curvature, until {opts.warmup_until:g}, hold above 0.5 x threshold"}[warmup]
+        curvature_table.append([f"{mine[0]['lr']:.3g}", label, _fmt(_median_spread([r["val_loss"] for r in mine])),
                                 sum(r["spikes"] for r in mine), sum(r["alarms"] for r in mine),
                                 f"{max(lams):.1f}" if lams else "-", f"{mine[0]['threshold']:.0f}",
+                                ", ".join(str(r["all_blocks_at_step"]) for r in mine) if warmup else "-",
+                                sum(r["held_steps"] for r in mine) if warmup == "curvature" else "-",
                                 _fmt(_median_spread([100 * r["tracker_share"] for r in mine]), ".1f")])
     mode = opts.overrides.get("residual.mode", base.residual.mode)
     md = (f"`{opts.preset}` ({mode} residual), {opts.steps} steps ({tokens:,} tokens, equal for every row), seeds "
@@ -230,8 +217,9 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
         md += (f"\n\nCurvature (AdamW, whole model, {opts.curvature_hvps} warm-started HVPs every "
                f"{opts.curvature_every} steps on {opts.curvature_sequences} fixed training sequences; spikes: steps whose training loss rose >10% "
                f"above the lowest of the previous 5; totals over seeds {list(opts.seeds)}):\n\n"
-               + markdown_table(["lr", "architecture warm-up", "val loss", "spikes", "alarms", "max lr x lambda", "threshold",
-                                 "tracker % of training time"], curvature_table))
+               + markdown_table(["lr", "architecture warm-up", "val loss", "spikes", "alarms", "max lr x lambda",
+                                 "threshold", "all blocks from step", "steps held", "tracker % of training time"],
+                                curvature_table))
     result = {"options": {**asdict(opts), "seeds": list(opts.seeds), "optimizers": list(opts.optimizers)},
               "rows": rows, "runs": runs, "curvature_runs": curvature_runs}
     write_result(out, "training", result, md)

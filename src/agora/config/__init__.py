@@ -266,11 +266,26 @@ class DepthWarmupConfig(_Strict):
     """Architecture warm-up (METHODS section 10): training starts with the first ``start_depth`` blocks; the others
     are bypassed, frozen and out of the optimizer, and join one at a time in depth order, each with zeroed output
     projections (so the network's function does not change when it joins), until every block is active at
-    ``until`` x ``optimizer.total_steps``. ``mode: steps`` is the only schedule built (docs/OPTIMIZER.md)."""
+    ``until`` x ``optimizer.total_steps``. A joined block's residual write is scaled from ``1 / ramp_steps`` up to 1
+    over its first ``ramp_steps`` steps, so its contribution grows smoothly.
+
+    ``mode: curvature`` runs the same schedule on a clock that stops while the measured curvature is high: every
+    stage measures its top preconditioned Hessian eigenvalue every ``curvature_every`` steps, and a step whose
+    latest measurement (two steps old, max over stages) has ``lr * lambda`` above ``hold_above`` x the stability
+    threshold does not advance the warm-up (docs/OPTIMIZER.md)."""
 
     until: float = Field(default=0.3, gt=0, le=1, description="fraction of total_steps when every block is active")
-    mode: Literal["steps"] = "steps"
+    mode: Literal["steps", "curvature"] = "steps"
     start_depth: int = Field(default=1, ge=1, description="blocks active from step 0")
+    ramp_steps: Optional[int] = Field(default=None, ge=1, le=10**7,
+                                      description="steps over which a joined block's write grows to full size (1: at "
+                                                  "once); default: the steps between two joins")
+    hold_above: float = Field(default=0.5, gt=0, le=1e6, allow_inf_nan=False,
+                              description="mode curvature (ignored in mode steps): hold the warm-up while lr x "
+                                          "lambda is above this share of the stability threshold (METHODS: 0.5)")
+    curvature_every: int = Field(default=10, ge=1, le=10**6,
+                                 description="mode curvature (ignored in mode steps): steps between two curvature "
+                                             "measurements on every stage")
 
 
 class TrainingConfig(_Strict):

@@ -15,8 +15,9 @@ import torch
 
 from agora.config import Manifest
 from agora.data import build_datasets
-from agora.model import PipelineModel, count_parameters, flops_per_token
-from agora.optim import build_optimizer, set_lr
+from agora.model import PipelineModel, count_parameters, flops_per_token, warmup_end, warmup_measurement
+from agora.optim import build_optimizer, lr_at, set_lr
+from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters
 
 
 def cpu_seconds() -> float:
@@ -50,6 +51,9 @@ def train_model(
     on_step: Optional[Callable[[dict], None]] = None,
     shard: Optional[tuple[int, int]] = None,
     after_step: Optional[Callable[[PipelineModel, torch.optim.Optimizer, int], None]] = None,
+    curvature_every: int = 0,
+    curvature_hvps: int = 3,
+    curvature_sequences: int = 2,
 ) -> tuple[dict, PipelineModel]:
     """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences: (summary, trained model); the
     summary is also written to ``out_dir``.
@@ -57,7 +61,10 @@ def train_model(
     ``shard``: train on shard (index, count) of the training split in the order a swarm trainer of that shard
     streams it (``agora train --shard``), so a one-trainer swarm and this run see the very same microbatches
     (None: the whole split). ``after_step(model, optimizer, step)`` runs after every optimizer step (``agora bench
-    upm`` rotates frames there)."""
+    upm`` rotates frames there).
+
+    ``curvature_every``: measure the whole model's top preconditioned Hessian eigenvalue after every N-th step
+    (``ModelCurvature``; a curvature-driven warm-up measures at its manifest's cadence whatever this says)."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
@@ -72,6 +79,15 @@ def train_model(
     val_set = val.fixed_batches(mb, val_batches)
     tokens_per_step = accum * mb * manifest.model.seq_len
 
+    warm = manifest.training.warmup_depth
+    by_curvature = warm is not None and warm.mode == "curvature"
+    every = warm.curvature_every if by_curvature else curvature_every
+    curvature = None
+    if every:
+        sample = next(train.batches(mb, seed=manifest.seed + 1))[:curvature_sequences]  # its own stream
+        curvature = ModelCurvature(manifest, model, sample, every, curvature_hvps)
+    clock, held = 0, 0  # the architecture warm-up's clock (agora.model.active_depth) and the steps it was held
+
     history: list[dict] = []
     evals: list[dict] = []
     t0, c0 = time.perf_counter(), cpu_seconds()
@@ -79,11 +95,16 @@ def train_model(
     for step in range(steps):
         lr = set_lr(opt, manifest.optimizer, step)
         total = _train_step(model, opt, batches, accum, manifest.optimizer.grad_clip)
-        model.grow_for_step(step + 1)  # architecture warm-up (training.warmup_depth): blocks due now join
+        hold = by_curvature and clock < warmup_end(manifest) and curvature.holds(warmup_measurement(manifest, step))
+        clock, held = clock + (not hold), held + hold
+        model.grow_for_step(clock)  # architecture warm-up (training.warmup_depth): blocks due now join
+        if curvature is not None:
+            curvature.after_step(opt, step + 1)
         if after_step is not None:
             after_step(model, opt, step)
         tokens += tokens_per_step
-        rec = {"step": step, "loss": total, "lr": lr, "tokens": tokens, "wall_s": time.perf_counter() - t0}
+        rec = {"step": step, "loss": total, "lr": lr, "tokens": tokens, "wall_s": time.perf_counter() - t0,
+               "depth": model.stages[-1].active_depth, "warmup_clock": clock}
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             evals.append({"step": step, "tokens": tokens, "val_loss": evaluate(model, val_set)})
         history.append(rec)
@@ -93,9 +114,56 @@ def train_model(
     val_loss = evaluate(model, val_set)
     evals.append({"step": steps - 1, "tokens": tokens, "val_loss": val_loss})
     summary = _summary(manifest, steps, tokens, wall, cpu, history, evals)
+    summary["curvature"] = curvature.summary() if curvature is not None else None
+    summary["warmup"] = {"mode": warm.mode, "clock": clock, "held_steps": held} if warm is not None else None
     if out_dir is not None:
         _write(summary, Path(out_dir))
     return summary, model
+
+
+class ModelCurvature:
+    """The whole model's ``lambda_max(P^-1/2 H P^-1/2)`` (token embeddings left out: ``tracked_parameters``) after
+    every ``every``-th optimizer step, on fixed training sequences, with the optimizer's own second moments."""
+
+    def __init__(self, manifest: Manifest, model: PipelineModel, sample: torch.Tensor, every: int, hvps: int):
+        self.manifest, self.model, self.sample, self.every = manifest, model, sample, every
+        warm = manifest.training.warmup_depth
+        self.limit = (warm.hold_above * alarm_threshold(manifest.optimizer.betas[0])
+                      if warm is not None and warm.mode == "curvature" else float("inf"))
+        self.threshold = alarm_threshold(manifest.optimizer.betas[0])
+        self.params = tracked_parameters(list(model.named_parameters()))
+        self.tracker = CurvatureTracker(self.params, hvps=hvps, seed=manifest.seed)
+        self.values: list[dict] = []  # {"step", "lambda", "lr_x_lambda"} per measurement
+        self.by_step: dict[int, float] = {}  # step -> lr x lambda
+        self.seconds = 0.0
+        self.alarms = 0
+
+    def after_step(self, opt: torch.optim.Optimizer, step: int) -> None:
+        """After optimizer step ``step`` (1-based count of steps taken): measure when due."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if step % self.every:
+            return
+        moments = [opt.state.get(p, {}).get("exp_avg_sq") for p in self.params]
+        taken = next((int(opt.state[p]["step"]) for p in self.params if "step" in opt.state.get(p, {})), 0)
+        tokens = self.sample
+        with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
+            value = self.tracker.measure(lambda: self.model.loss(tokens[:, :-1], tokens[:, 1:]), moments,
+                                         self.manifest.optimizer.betas[1], taken)
+        self.seconds += self.tracker.last_seconds
+        lr = lr_at(self.manifest.optimizer, step)
+        self.values.append({"step": step, "lambda": value, "lr_x_lambda": lr * value})
+        self.by_step[step] = lr * value
+        self.alarms += int(self.tracker.alarm(lr, self.manifest.optimizer.betas[0]))
+
+    def holds(self, measured_at: Optional[int]) -> bool:
+        """Whether the measurement after step ``measured_at`` holds a curvature-driven warm-up's clock."""
+        value = self.by_step.get(measured_at) if measured_at is not None else None
+        return value is not None and value == value and value > self.limit
+
+    def summary(self) -> dict:
+        return {"every": self.every, "hvps": self.tracker.hvps, "sequences": int(self.sample.shape[0]),
+                "values": self.values, "alarms": self.alarms, "threshold": self.threshold, "seconds": self.seconds}
 
 
 def _train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float) -> float:

@@ -27,8 +27,9 @@ from agora.data import eot_id, get_tokenizer
 from agora.hf import export_state_dict, hf_config_kwargs, import_state_dict
 from agora.interop import load_checkpoint
 from agora.frames import FRAME_MAP, bake_frames, check_frame_map
-from agora.model import PipelineModel, Stage
+from agora.model import PipelineModel, Stage, join_step, ramp_steps
 from agora.server.checkpoint import load_stage_checkpoint, save_stage_checkpoint, stage_dir
+from agora.server.runtime import warmup_clock_of
 
 logger = logging.getLogger("agora.model_io")
 
@@ -147,15 +148,25 @@ def gather_from_checkpoints(manifest: Manifest, root: str | Path) -> tuple[list[
             raise ModelFolderError(f"{stage_dir(root, index)}/state.safetensors is missing: every stage's checkpoint "
                                    f"is needed (nodes write them with --checkpoint-dir)")
         step, names, tensors = saved
-        stages.append(stage_from_state(manifest, index, names, tensors))
+        stages.append(stage_from_state(manifest, index, names, tensors, step))
         steps[index] = step
     return stages, steps
 
 
-def stage_from_state(manifest: Manifest, index: int, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> Stage:
-    """A stage holding the parameters of a checkpoint or a ``get_state`` reply (``param/NAME`` entries)."""
+def stage_from_state(manifest: Manifest, index: int, names: Sequence[str], tensors: Sequence[torch.Tensor],
+                     step: Optional[int] = None) -> Stage:
+    """A stage holding the parameters of a checkpoint or a ``get_state`` reply (``param/NAME`` entries), computing
+    at the depth and write scales of its ``step``'s warm-up clock (needed for a run with an architecture warm-up)."""
     stage = Stage(manifest, index)
     by_name = dict(zip(names, tensors))
+    if manifest.training.warmup_depth is not None:
+        if step is None:
+            raise ModelFolderError(f"stage {index}: this run grows its depth during training "
+                                   f"(training.warmup_depth): the state's step is needed to know its depth")
+        try:
+            stage.set_step(warmup_clock_of(step, by_name))
+        except ValueError as err:
+            raise ModelFolderError(f"stage {index}: {err}") from None
     with torch.no_grad():
         for name, p in stage.named_parameters():
             src = by_name.get(f"param/{name}")
@@ -179,12 +190,51 @@ def run_tokenizer(manifest: Manifest) -> Tokenizer:
     return get_tokenizer(manifest.data, manifest.model.vocab_size)
 
 
+def settle_warmup(manifest: Manifest, stages: list[Stage]) -> tuple[Manifest, list[Stage]]:
+    """The same network without an architecture warm-up: every block active at full scale, so that a model loaded
+    from an export computes what the stages compute now (at the depth and write scales they were set to:
+    ``stage_from_state`` sets them from the state's step and warm-up clock).
+
+    A block still bypassed gets zeroed output projections (the identity it is now); a dense block still ramping has
+    its write scale folded into them. A subspace block's write is normalised before it is scaled, so its scale has
+    no place in the weights: such a state is refused, naming when it can be exported. Copies: the stages passed in
+    are not changed.
+    """
+    if manifest.training.warmup_depth is None:
+        return manifest, stages
+    stages = [copy.deepcopy(st) for st in stages]
+    for st in stages:
+        for name, block in st.layers.items():
+            writes = (block.self_attn.o_proj.weight, block.mlp.down_proj.weight)
+            if int(name) >= st.active_depth:
+                with torch.no_grad():
+                    for w in writes:
+                        w.zero_()
+                continue
+            scale = st.write_scales.get(name, 1.0)
+            if scale == 1.0:
+                continue
+            if block.subspace:
+                full = join_step(manifest, int(name)) + ramp_steps(manifest) - 1
+                raise ModelFolderError(
+                    f"stage {st.spec.index}: block {name} joined the architecture warm-up at step "
+                    f"{join_step(manifest, int(name))} of its clock and writes at {scale:.3g} of full size until step "
+                    f"{full}; a subspace block's write is normalised, so that scale cannot be folded into its "
+                    f"weights: export a state from clock step {full} or later (the step itself, in mode: steps)")
+            with torch.no_grad():
+                for w in writes:
+                    w.mul_(scale)
+    return manifest.with_overrides(**{"training.warmup_depth": None}), stages
+
+
 def merge_stages(manifest: Manifest, stages: list[Stage]) -> PipelineModel:
     """One model (one stage, or the run's stages for subspace runs) holding one replica per stage.
 
     A tied model trained in a swarm holds two copies of the embedding (head and tail); when they no longer agree
-    the model comes out untied, both matrices kept, rather than silently dropping one.
+    the model comes out untied, both matrices kept, rather than silently dropping one. A run with an architecture
+    warm-up comes out without it (``settle_warmup``).
     """
+    manifest, stages = settle_warmup(manifest, stages)
     # A dense model is the same network however it is cut; a subspace model is not (every stage but the last
     # writes k coordinates), so it keeps its cut: all stages, run back to back in one process.
     one = manifest if manifest.residual.mode == "subspace" else manifest.with_overrides(stages=[manifest.model.n_layers])

@@ -51,6 +51,7 @@ class StageCurvature:
         self.skipped = 0
         self.seconds = 0.0
         self.lr_times_value = float("nan")
+        self.last: Optional[tuple[int, float]] = None  # (step, lr x lambda) of the last finite measurement
         self.threshold = alarm_threshold(runtime.manifest.optimizer.betas[0])
 
     def keep(self, coords: Optional[torch.Tensor], tokens: torch.Tensor, grad_out: Optional[torch.Tensor] = None,
@@ -73,6 +74,8 @@ class StageCurvature:
         self.seconds += self.tracker.last_seconds
         lr = lr_at(self.rt.manifest.optimizer, step)
         self.lr_times_value = lr * value
+        if math.isfinite(self.lr_times_value):
+            self.last = (step, self.lr_times_value)
         if self.tracker.alarm(lr, self.rt.manifest.optimizer.betas[0]):
             self.alarms += 1
         return value

@@ -26,7 +26,7 @@ from agora.net.protocol import CLAIM, FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
 from agora.server.exactly_once import ExactlyOnce, microbatch_key
-from agora.server.runtime import StageRuntime, trim_heap
+from agora.server.runtime import WARMUP_CLOCK, StageRuntime, trim_heap
 from agora.server.runtime import Pending
 from agora.server.screening import Message
 from agora.wire import bytes_per_token
@@ -432,7 +432,7 @@ class StageHandler:
                 raise RpcError("busy", "other state downloads are in progress here; try another replica or later")
             step, names, state = await node.run_compute(node.runtime.export_state)
             if kind == "params_only":  # an export needs the weights only: a third of the bytes
-                kept = [i for i, n in enumerate(names) if n.startswith("param/")]
+                kept = [i for i, n in enumerate(names) if n.startswith("param/") or n == WARMUP_CLOCK]
                 names, state = [names[i] for i in kept], [state[i] for i in kept]
             token = self.snapshots.add(step, node.sync.fingerprint, names, state, kind=kind, owner=owner)
             del state

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from agora.config import Manifest
-from agora.model import KVCache, Stage, active_depth, tied_parameter
+from agora.model import KVCache, Stage, tied_parameter
 from agora.frames import FRAME_MAP, check_frame_map
 from agora.net.transport import RpcError
 from agora.optim import build_optimizer, set_lr
@@ -188,6 +188,21 @@ class Pending:
     weights: Optional[dict] = None  # the stashed parameter snapshot the forward ran on
     coords: Optional[torch.Tensor] = None  # the received input, kept instead of the graph (``backward="recompute"``)
     version: Optional[list] = None  # ``sent_version`` of the weights the forward ran on (read on the compute thread)
+    clock: int = 0  # the architecture warm-up's clock at the forward (its depth and write scales)
+
+
+WARMUP_CLOCK = "warmup/clock"  # the architecture warm-up's clock in a stage's state (runs with a warm-up only)
+
+
+def warmup_clock_of(step: int, by_name: dict) -> int:
+    """The warm-up clock a state (``{name: tensor}``) was saved at: its own entry, or its step (a warm-up by steps,
+    or a state saved before the clock existed)."""
+    clock = by_name.get(WARMUP_CLOCK)
+    if clock is None:
+        return int(step)
+    if clock.numel() != 1 or not 0 <= int(clock.reshape(-1)[0]) <= int(step):
+        raise ValueError(f"{WARMUP_CLOCK} must be one integer between 0 and the step ({step})")
+    return int(clock.reshape(-1)[0])
 
 
 def next_token_targets(tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -223,10 +238,16 @@ class StageRuntime:
                                          names=[n for n, _ in self.stage.named_parameters()])
         self.counters = counters
         self.observers = observers
-        self.curvature = (StageCurvature(self, options.curvature_every, options.curvature_hvps,
-                                         options.curvature_budget) if options.curvature_every else None)
+        warm = manifest.training.warmup_depth
+        # A curvature-driven warm-up needs every stage's measurements, at the manifest's cadence.
+        every = warm.curvature_every if warm is not None and warm.mode == "curvature" else options.curvature_every
+        self.curvature = (StageCurvature(self, every, options.curvature_hvps, options.curvature_budget)
+                          if every else None)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.step = 0
+        # Architecture warm-up: the clock its depth and write scales follow. It is the step, but for steps a
+        # curvature-driven warm-up held (``apply_step(hold_warmup=True)``).
+        self.warmup_clock = 0
         self.version = 0  # bumped whenever the parameters change (optimizer step, state import, averaging)
         # State the averaging scheme keeps beside the optimizer (DiLoCo's outer parameters and momentum), named
         # SYNC_PREFIX + ...: it travels with the stage's state (downloads, checkpoints) so a joiner continues it.
@@ -327,7 +348,7 @@ class StageRuntime:
             self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
         kept = coords if train and not keep_graph and not self.is_tail else None
         return Pending(tokens, leaf, out, self.step, self.generation, fwd_s, weights=stash,
-                       version=self.sent_version(self.step), coords=kept), loss
+                       version=self.sent_version(self.step), coords=kept, clock=self.warmup_clock), loss
 
     def _in(self, tensor: torch.Tensor) -> torch.Tensor:
         """A received tensor on this stage's device."""
@@ -374,13 +395,14 @@ class StageRuntime:
         if pending.coords is not None or (self.is_head and self.options.backward == "recompute"):
             # recompute: the forward again, on the snapshot it first ran on, now keeping its graph. Same function,
             # same input, same weights: the same output and gradients as a stashed graph.
-            depth_now = self.stage.active_depth  # the forward ran at its step's depth (architecture warm-up)
-            self.stage.active_depth = active_depth(self.manifest, pending.step)
+            # the forward ran at its step's depth and write scales (architecture warm-up)
+            now = self.stage.active_depth, self.stage.write_scales
+            self.stage.set_step(pending.clock)
             try:
                 with torch.enable_grad(), self._autocast():
                     pending.leaf, pending.out = self.forward_from(pending.coords, pending.tokens, pending.weights)
             finally:
-                self.stage.active_depth = depth_now
+                self.stage.active_depth, self.stage.write_scales = now
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
         sent.backward(self._in(grad_out).to(sent.dtype))
@@ -504,10 +526,12 @@ class StageRuntime:
         self.samples = 0
         return n, grads
 
-    def apply_step(self, grads: Optional[list[torch.Tensor]], clip_scale: Optional[float] = None) -> None:
+    def apply_step(self, grads: Optional[list[torch.Tensor]], clip_scale: Optional[float] = None,
+                   hold_warmup: bool = False) -> None:
         """One optimizer step with ``grads`` (averaged, mean over samples); gradients accumulated meanwhile survive.
         ``clip_scale``: the global-norm clipping factor of this step (``averaging.clip``); None: clip by this
-        stage's own norm."""
+        stage's own norm. ``hold_warmup``: the warm-up clock does not advance with this step (a curvature-driven
+        warm-up held by the swarm's curvature, ``server.warmup``)."""
         params = [p for p in self.stage.parameters()]
         kept = [p.grad for p in params]
         stepped = [self._master(p) for p in params]  # what the optimizer steps (host copies when offloading)
@@ -539,6 +563,8 @@ class StageRuntime:
             p.grad = g
         self.version += 1
         self.step += 1
+        if not hold_warmup:
+            self.warmup_clock += 1
         self._grow()
         self.parameter_sample = (self.step, self.sample_parameters())
         if self.curvature is not None:
@@ -575,7 +601,7 @@ class StageRuntime:
     def _grow(self) -> None:
         """Architecture warm-up: blocks due at this step join, with zeroed output projections (``Stage.grow_to``)
         and no optimizer state (they never had a gradient: their moments start at zero)."""
-        joined = self.stage.grow_to(active_depth(self.manifest, self.step))
+        joined = self.stage.grow_for_step(self.warmup_clock)
         if joined:
             for name in joined:
                 for p in self.stage.layers[name].parameters():
@@ -605,6 +631,9 @@ class StageRuntime:
         for name, value in self.sync_state.items():
             names.append(name)
             tensors.append(value.detach().cpu().clone())
+        if self.manifest.training.warmup_depth is not None:
+            names.append(WARMUP_CLOCK)
+            tensors.append(torch.tensor([self.warmup_clock], dtype=torch.int64))
         return self.step, names, tensors
 
     def import_state(self, step: int, names: list[str], tensors: list[torch.Tensor], keep_grads: bool = False) -> None:
@@ -643,8 +672,10 @@ class StageRuntime:
         self.sync_state = {n: t.clone() for n, t in by_name.items() if n.startswith(SYNC_PREFIX)}
         self.version += 1
         self.step = int(step)
-        # The imported weights already hold every zeroed block that joined before ``step``: only the depth follows.
-        self.stage.active_depth = active_depth(self.manifest, self.step)
+        self.warmup_clock = warmup_clock_of(self.step, by_name)
+        # The imported weights already hold every zeroed block that joined before it: only the depth and the write
+        # scales follow.
+        self.stage.set_step(self.warmup_clock)
         self.parameter_sample = (self.step, self.sample_parameters())
         if not keep_grads:
             self.samples = 0

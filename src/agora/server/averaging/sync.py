@@ -36,6 +36,7 @@ from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
 from agora.server.averaging.clip import GlobalClip
 from agora.server.averaging.tied import TiedExchange
+from agora.server.averaging.warmup_brake import WarmupBrake
 from agora.server.observers import Observers
 from agora.server.runtime import StageRuntime, trim_heap
 
@@ -131,6 +132,7 @@ class ReplicaSync:
         self.tied = TiedExchange(ctx) if tied is not None else None
         tied_index = next((i for i, p in enumerate(ctx.runtime.stage.parameters()) if p is tied), None)
         self.clipper = GlobalClip(ctx, tied_index if tied is not None else None, ctx.clip_wait_s)
+        self.warmup_brake = WarmupBrake(ctx)  # a curvature-driven architecture warm-up (off otherwise)
         m = ctx.manifest
         self.target = m.batch.target_batch_size
         self.prefix = f"{m.run_id}_s{ctx.stage_index}_{m.hash}_grads"  # no dots: hivemind splits keys on '.'
@@ -695,9 +697,10 @@ class ReplicaSync:
         if self.tied is not None:  # the other end's gradient of a tied embedding joins ours
             averaged = await self.tied.offer_and_fetch(rt.step, averaged)
         scale = await self.clipper.scale(rt.step, averaged)  # the global-norm clipping factor (None: our own)
+        hold = await self.warmup_brake.hold(rt.step)
 
         def step() -> None:
-            rt.apply_step([g.float() for g in averaged], clip_scale=scale)
+            rt.apply_step([g.float() for g in averaged], clip_scale=scale, hold_warmup=hold)
             self._set_fingerprint()
             self._after_step()
 
@@ -710,6 +713,7 @@ class ReplicaSync:
         c.observers.emit("round", n_others == 0 or group > 1, dt, group)
         c.log_event("step", step=rt.step, samples=samples, group=group, seconds=dt, stalled=stalled)
         logger.info(f"stage {c.stage_index}: step {rt.step} ({samples} local samples, group of {group}, {dt:.2f}s)")
+        await self.warmup_brake.publish()
         await c.announce()
 
     def _before_step(self, samples: int) -> None:
