@@ -11,6 +11,7 @@ from agora.client.trainer import Trainer
 from agora.config import load_manifest
 from agora.lab.train_local import train_model
 from agora.model import WARMUP_LAG_STEPS, warmup_end, warmup_measurement
+from agora.ops.metrics import NodeCollector
 from agora.server.node import NodeOptions
 from agora.server.runtime import Counters, RuntimeOptions, StageRuntime
 from agora.server.observers import Observers
@@ -91,7 +92,9 @@ async def _train_swarm(man, steps: int):
                 assert torch.equal(pa, pb), f"step {step}: {name} differs"
             clocks.append([n.runtime.warmup_clock for n in nodes])
         trainer.close()
-        return clocks, nodes
+        metrics = [{f.name: f.samples[0].value for f in NodeCollector(n).collect() if f.name.startswith("agora_warmup")}
+                   for n in nodes]
+        return clocks, nodes, metrics
 
 
 def test_in_a_swarm_every_replica_of_every_stage_holds_the_same_steps():
@@ -100,7 +103,7 @@ def test_in_a_swarm_every_replica_of_every_stage_holds_the_same_steps():
     tail take the same decisions (same clock at every step), the head replicas stay bit-identical, and the clock
     does fall behind the step."""
     man = _curvature(1e-6, every=1, m=TINY.with_overrides(**{"optimizer.total_steps": 20}))
-    clocks, nodes = asyncio.run(_train_swarm(man, steps=6))
+    clocks, nodes, metrics = asyncio.run(_train_swarm(man, steps=6))
     assert all(len(set(c)) == 1 for c in clocks), clocks
     assert [c[0] for c in clocks][:2] == [1, 2]  # no measurement two steps old yet: the clock advances
     held = [n.sync.warmup_brake.held_steps for n in nodes]
@@ -108,3 +111,6 @@ def test_in_a_swarm_every_replica_of_every_stage_holds_the_same_steps():
     assert clocks[-1][0] + held[0] == 6
     for n in nodes:  # every decision read both stages' records
         assert n.sync.warmup_brake.decisions and all(v is not None for v in n.sync.warmup_brake.decisions.values())
+    for n, got in zip(nodes, metrics):  # /metrics
+        assert got == {"agora_warmup_active_blocks": n.runtime.stage.active_depth,
+                       "agora_warmup_clock": clocks[-1][0], "agora_warmup_held_steps": held[0]}, got

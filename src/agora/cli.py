@@ -365,6 +365,10 @@ def bench_training(
     numuon_rank: float = typer.Option(0.25, min=0.0, max=1.0, help="NuMuon's rank fraction"),
     spike_lr: str = typer.Option("10", help="curvature section: comma-separated multiples of the preset's lr"),
     curvature_every: int = typer.Option(10, min=1), curvature_hvps: int = typer.Option(3, min=1, max=5),
+    warmup_curvature_every: int = typer.Option(2, min=1, help="curvature section: the curvature-driven warm-up "
+                                               "row's measurement cadence"),
+    curvature_reference: int = typer.Option(0, min=0, max=500, help="curvature section: after the last measurement, "
+                                            "this many more products at the same point, for the tracker's error"),
     sections: str = typer.Option("optimizers,curvature", help="comma-separated subset"),
     residual: Optional[str] = typer.Option(None, help="override the preset's residual mode: dense or subspace"),
 ) -> None:
@@ -386,7 +390,9 @@ def bench_training(
         raise typer.Exit(2)
     run(out, TrainingOptions(preset=preset, steps=steps, seeds=seed_list, optimizers=chosen,
                              numuon_rank=numuon_rank, spike_lr_factors=factors, curvature_every=curvature_every,
-                             curvature_hvps=curvature_hvps, sections=parts,
+                             curvature_hvps=curvature_hvps, curvature_reference_hvps=curvature_reference,
+                             warmup_curvature_every=warmup_curvature_every,
+                             sections=parts,
                              overrides={"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"}
                              if residual == "dense" else {}), log=console.print)
 

@@ -419,8 +419,8 @@ class Stage(nn.Module):
         return joined
 
     def set_step(self, step: int) -> None:
-        """Compute as after ``step`` optimizer steps of the warm-up: its depth and its joined blocks' write scales
-        (no weight changes: ``grow_for_step`` zeroes the blocks that join)."""
+        """Compute as at clock ``step`` of the architecture warm-up (``active_depth``): its depth and its joined
+        blocks' write scales (no weight changes: ``grow_for_step`` zeroes the blocks that join)."""
         self.active_depth = active_depth(self.manifest, step)
         self.write_scales = {name: s for name in self.layers
                              if (s := write_scale(self.manifest, int(name), step)) != 1.0}
@@ -522,8 +522,8 @@ def ramp_steps(manifest: Manifest) -> int:
 
 
 def write_scale(manifest: Manifest, layer: int, step: int) -> float:
-    """The factor on block ``layer``'s residual writes after ``step`` optimizer steps: ``(step - joined + 1) / R``
-    up to 1, where ``joined`` is its join step and R is ``ramp_steps``.
+    """The factor on block ``layer``'s residual writes at step ``step`` of the warm-up's clock:
+    ``(step - joined + 1) / R`` up to 1, where ``joined`` is its join step and R is ``ramp_steps``.
 
     Why: a joined block starts with zeroed output projections, but its first update is not small: Adam's first
     step moves every weight by about the learning rate, and in subspace mode the write passes through a gain-less

@@ -45,8 +45,12 @@ class TrainingOptions:
     curvature_every: int = 10
     curvature_hvps: int = 3
     curvature_sequences: int = 2  # of the measurement microbatch (a Hessian-vector product costs ~2 backwards)
+    # > 0: after the last measurement, this many more products at the same point: the tracker's error against it
+    curvature_reference_hvps: int = 0
     warmup_until: float = 0.3  # architecture warm-up rows (spiking lr): every block active at this share of steps
-    # (mode steps; mode curvature runs the same schedule on a clock held while lr x lambda > 0.5 x the threshold)
+    # (mode steps; mode curvature runs the same schedule on a clock held while lr x lambda > 0.5 x the threshold,
+    # measured every ``warmup_curvature_every`` steps: a warm-up of a few dozen steps needs more than every 10)
+    warmup_curvature_every: int = 2
     sections: tuple[str, ...] = ("optimizers", "curvature")
 
 
@@ -133,10 +137,11 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
     if warmup:
         warm = {"until": opts.warmup_until, "mode": warmup}
         if warmup == "curvature":
-            warm["curvature_every"] = opts.curvature_every
+            warm["curvature_every"] = opts.warmup_curvature_every
         m = m.with_overrides(**{"training.warmup_depth": warm})
     summary, _ = train_model(m, opts.steps, val_batches=opts.val_batches, curvature_every=opts.curvature_every,
-                             curvature_hvps=opts.curvature_hvps, curvature_sequences=opts.curvature_sequences)
+                             curvature_hvps=opts.curvature_hvps, curvature_sequences=opts.curvature_sequences,
+                             curvature_reference_hvps=opts.curvature_reference_hvps)
     c = summary["curvature"]
     train_s = summary["wall_s"] - c["seconds"]
     depth = [r["depth"] for r in summary["history"]]
@@ -145,7 +150,7 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
             "val_loss": summary["val_loss"], "spikes": count_spikes(summary["train_loss"]), "alarms": c["alarms"],
             "threshold": c["threshold"], "curvature": c["values"], "train_loss": summary["train_loss"],
             "depth": depth, "all_blocks_at_step": full,
-            "held_steps": (summary["warmup"] or {}).get("held_steps", 0),
+            "held_steps": (summary["warmup"] or {}).get("held_steps", 0), "reference": c.get("reference"),
             "tracker_s": c["seconds"], "train_s": train_s, "tracker_share": c["seconds"] / max(train_s, 1e-9)}
 
 
@@ -190,7 +195,9 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
             log(f"adamw lr {r['lr']:.3g} warm-up {r['warmup']} seed {seed}: val {r['val_loss']:.4f}, spikes "
                 f"{r['spikes']}, alarms {r['alarms']}, lambda {[round(v['lambda'], 1) for v in r['curvature']]}, "
                 f"all blocks at step {r['all_blocks_at_step']}, held {r['held_steps']}, tracker "
-                f"{100 * r['tracker_share']:.1f}% of training time")
+                f"{100 * r['tracker_share']:.1f}% of training time"
+                + (f", error {r['reference']['relative_error']:.2e} against {r['reference']['hvps']} more products"
+                   if r["reference"] else ""))
     curvature_table = []
     for factor, warmup in variants:
         mine = [r for r in curvature_runs if r["factor"] == factor and r["warmup"] == (warmup or "no")]
@@ -198,13 +205,16 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
             continue
         lams = [v["lr_x_lambda"] for r in mine for v in r["curvature"] if math.isfinite(v["lr_x_lambda"])]
         label = {"": "no", "steps": f"steps, until {opts.warmup_until:g}",
-                 "curvature": f"curvature, until {opts.warmup_until:g}, hold above 0.5 x threshold"}[warmup]
+                 "curvature": f"curvature, until {opts.warmup_until:g}, hold above 0.5 x threshold, measured every "
+                              f"{opts.warmup_curvature_every} steps"}[warmup]
         curvature_table.append([f"{mine[0]['lr']:.3g}", label, _fmt(_median_spread([r["val_loss"] for r in mine])),
                                 sum(r["spikes"] for r in mine), sum(r["alarms"] for r in mine),
                                 f"{max(lams):.1f}" if lams else "-", f"{mine[0]['threshold']:.0f}",
                                 ", ".join(str(r["all_blocks_at_step"]) for r in mine) if warmup else "-",
                                 sum(r["held_steps"] for r in mine) if warmup == "curvature" else "-",
-                                _fmt(_median_spread([100 * r["tracker_share"] for r in mine]), ".1f")])
+                                _fmt(_median_spread([100 * r["tracker_share"] for r in mine]), ".1f")]
+                               + ([", ".join(f"{r['reference']['relative_error']:.1e}" if r["reference"] else "-"
+                                             for r in mine)] if opts.curvature_reference_hvps else []))
     mode = opts.overrides.get("residual.mode", base.residual.mode)
     md = (f"`{opts.preset}` ({mode} residual), {opts.steps} steps ({tokens:,} tokens, equal for every row), seeds "
           f"{list(opts.seeds)}; median (min-max). NuMuon rank fraction {opts.numuon_rank}; truncation keeps "
@@ -218,7 +228,9 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                f"{opts.curvature_every} steps on {opts.curvature_sequences} fixed training sequences; spikes: steps whose training loss rose >10% "
                f"above the lowest of the previous 5; totals over seeds {list(opts.seeds)}):\n\n"
                + markdown_table(["lr", "architecture warm-up", "val loss", "spikes", "alarms", "max lr x lambda",
-                                 "threshold", "all blocks from step", "steps held", "tracker % of training time"],
+                                 "threshold", "all blocks from step", "steps held", "tracker % of training time"]
+                               + ([f"last estimate's error vs {opts.curvature_reference_hvps} more products"]
+                                  if opts.curvature_reference_hvps else []),
                                 curvature_table))
     result = {"options": {**asdict(opts), "seeds": list(opts.seeds), "optimizers": list(opts.optimizers)},
               "rows": rows, "runs": runs, "curvature_runs": curvature_runs}

@@ -54,6 +54,7 @@ def train_model(
     curvature_every: int = 0,
     curvature_hvps: int = 3,
     curvature_sequences: int = 2,
+    curvature_reference_hvps: int = 0,
 ) -> tuple[dict, PipelineModel]:
     """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences: (summary, trained model); the
     summary is also written to ``out_dir``.
@@ -64,7 +65,9 @@ def train_model(
     upm`` rotates frames there).
 
     ``curvature_every``: measure the whole model's top preconditioned Hessian eigenvalue after every N-th step
-    (``ModelCurvature``; a curvature-driven warm-up measures at its manifest's cadence whatever this says)."""
+    (``ModelCurvature``; a curvature-driven warm-up measures at its manifest's cadence whatever this says);
+    ``curvature_reference_hvps``: after the last step's measurement, continue its power iteration that many more
+    products at the same point, for the tracker's error against a (nearly) converged value."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
@@ -85,7 +88,8 @@ def train_model(
     curvature = None
     if every:
         sample = next(train.batches(mb, seed=manifest.seed + 1))[:curvature_sequences]  # its own stream
-        curvature = ModelCurvature(manifest, model, sample, every, curvature_hvps)
+        curvature = ModelCurvature(manifest, model, sample, every, curvature_hvps,
+                                   reference=(steps, curvature_reference_hvps) if curvature_reference_hvps else None)
     clock, held = 0, 0  # the architecture warm-up's clock (agora.model.active_depth) and the steps it was held
 
     history: list[dict] = []
@@ -125,8 +129,11 @@ class ModelCurvature:
     """The whole model's ``lambda_max(P^-1/2 H P^-1/2)`` (token embeddings left out: ``tracked_parameters``) after
     every ``every``-th optimizer step, on fixed training sequences, with the optimizer's own second moments."""
 
-    def __init__(self, manifest: Manifest, model: PipelineModel, sample: torch.Tensor, every: int, hvps: int):
+    def __init__(self, manifest: Manifest, model: PipelineModel, sample: torch.Tensor, every: int, hvps: int,
+                 reference: Optional[tuple[int, int]] = None):
         self.manifest, self.model, self.sample, self.every = manifest, model, sample, every
+        self.reference = reference  # (step, products): a converged value to compare the tracker's with
+        self.reference_value: Optional[float] = None
         warm = manifest.training.warmup_depth
         self.limit = (warm.hold_above * alarm_threshold(manifest.optimizer.betas[0])
                       if warm is not None and warm.mode == "curvature" else float("inf"))
@@ -147,9 +154,16 @@ class ModelCurvature:
         moments = [opt.state.get(p, {}).get("exp_avg_sq") for p in self.params]
         taken = next((int(opt.state[p]["step"]) for p in self.params if "step" in opt.state.get(p, {})), 0)
         tokens = self.sample
+        loss = lambda: self.model.loss(tokens[:, :-1], tokens[:, 1:])  # noqa: E731
+        beta2 = self.manifest.optimizer.betas[1]
         with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
-            value = self.tracker.measure(lambda: self.model.loss(tokens[:, :-1], tokens[:, 1:]), moments,
-                                         self.manifest.optimizer.betas[1], taken)
+            value = self.tracker.measure(loss, moments, beta2, taken)
+            if self.reference is not None and step == self.reference[0]:
+                ref = CurvatureTracker(self.params, hvps=5, seed=self.manifest.seed)  # (not counted as cost)
+                ref.load_state(self.tracker.state())
+                ref.shift = self.tracker.shift
+                for _ in range(max(1, self.reference[1] // 5)):
+                    self.reference_value = ref.measure(loss, moments, beta2, taken)
         self.seconds += self.tracker.last_seconds
         lr = lr_at(self.manifest.optimizer, step)
         self.values.append({"step": step, "lambda": value, "lr_x_lambda": lr * value})
@@ -162,8 +176,14 @@ class ModelCurvature:
         return value is not None and value == value and value > self.limit
 
     def summary(self) -> dict:
-        return {"every": self.every, "hvps": self.tracker.hvps, "sequences": int(self.sample.shape[0]),
-                "values": self.values, "alarms": self.alarms, "threshold": self.threshold, "seconds": self.seconds}
+        out = {"every": self.every, "hvps": self.tracker.hvps, "sequences": int(self.sample.shape[0]),
+               "values": self.values, "alarms": self.alarms, "threshold": self.threshold, "seconds": self.seconds}
+        if self.reference_value is not None:
+            last = self.values[-1]["lambda"]
+            out["reference"] = {"step": self.reference[0], "hvps": 5 * max(1, self.reference[1] // 5),
+                                "lambda": self.reference_value,
+                                "relative_error": abs(last - self.reference_value) / abs(self.reference_value)}
+        return out
 
 
 def _train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float) -> float:

@@ -134,6 +134,15 @@ class NodeCollector(Collector):
                                     value=c["threshold"])
             yield CounterMetricFamily("agora_curvature_alarms", "Curvature measurements above the threshold.",
                                       value=c["alarms"])
+        if n.runtime is not None and n.manifest.training.warmup_depth is not None:
+            yield GaugeMetricFamily("agora_warmup_active_blocks", "Architecture warm-up: blocks active now "
+                                    "(global index below this).", value=n.runtime.stage.active_depth)
+            yield GaugeMetricFamily("agora_warmup_clock", "Architecture warm-up: steps of its clock (optimizer steps "
+                                    "but those a curvature-driven warm-up held).", value=n.runtime.warmup_clock)
+            if n.sync is not None:
+                yield CounterMetricFamily("agora_warmup_held_steps", "Steps a curvature-driven warm-up held its "
+                                          "clock (lr x lambda above its limit).",
+                                          value=n.sync.warmup_brake.held_steps)
         yield StateSetMetricFamily("agora_peer_state", "Lifecycle state of this peer.",
                                    value={s.value: n.state == s for s in PeerState})
 
