@@ -271,8 +271,8 @@ class DepthWarmupConfig(_Strict):
 
     ``mode: curvature`` runs the same schedule on a clock that stops while the measured curvature is high: every
     stage measures its top preconditioned Hessian eigenvalue every ``curvature_every`` steps, and a step whose
-    latest measurement (two steps old, max over stages) has ``lr * lambda`` above ``hold_above`` x the stability
-    threshold does not advance the warm-up (docs/OPTIMIZER.md)."""
+    latest measurement (two steps old, largest over stages) has ``|lr * lambda|`` above ``hold_above`` x the
+    stability threshold does not advance the warm-up (docs/OPTIMIZER.md)."""
 
     until: float = Field(default=0.3, gt=0, le=1, description="fraction of total_steps when every block is active")
     mode: Literal["steps", "curvature"] = "steps"

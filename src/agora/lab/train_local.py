@@ -173,7 +173,7 @@ class ModelCurvature:
     def holds(self, measured_at: Optional[int]) -> bool:
         """Whether the measurement after step ``measured_at`` holds a curvature-driven warm-up's clock."""
         value = self.by_step.get(measured_at) if measured_at is not None else None
-        return value is not None and value == value and value > self.limit
+        return value is not None and value == value and abs(value) > self.limit  # why abs: OPTIMIZER.md
 
     def summary(self) -> dict:
         out = {"every": self.every, "hvps": self.tracker.hvps, "sequences": int(self.sample.shape[0]),

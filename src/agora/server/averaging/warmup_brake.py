@@ -5,7 +5,8 @@ Each stage measures its own curvature every ``curvature_every`` steps and publis
 measurement's step in the DHT. A step reads the measurement ``WARMUP_LAG_STEPS`` or more steps old
 (``agora.model.warmup_measurement``): by then every replica has published its own, so every reader sees the same
 records and takes the same decision. The decision: hold the clock when the largest stage's value (median over its
-replicas) is above ``hold_above`` x the stability threshold. No record at all (no stage measured): the clock
+replicas) is above ``hold_above`` x the stability threshold in magnitude (a negative value: a negative eigenvalue
+dominated the power iteration, and the curvature is no smaller for it). No record at all (no stage measured): the clock
 advances, as in mode ``steps``. A replica that decides otherwise (a record arrived late) ends up with another depth
 than its partners; its parameters then differ, and the fingerprint check downloads a partner's state, clock
 included. Why a clock and not a depth: docs/OPTIMIZER.md ("Architecture warm-up").
@@ -59,12 +60,12 @@ class WarmupBrake:
         if m not in self.decisions:
             self.decisions[m] = await self._swarm_value(m)
             value = self.decisions[m]
-            verdict = "holds" if value is not None and value > self.limit else "lets"
+            verdict = "holds" if value is not None and abs(value) > self.limit else "lets"
             logger.info(f"stage {self.ctx.stage_index}: curvature of step {m}: lr x lambda "
                         f"{'unknown' if value is None else f'{value:.3g}'} (limit {self.limit:.3g}): {verdict} the "
                         f"warm-up clock at {rt.warmup_clock}")
         value = self.decisions[m]
-        held = value is not None and value > self.limit
+        held = value is not None and abs(value) > self.limit
         self.held_steps += held
         return held
 
@@ -86,7 +87,8 @@ class WarmupBrake:
             logger.warning(f"stage {c.stage_index}: could not publish the curvature of step {step}: {err!r}")
 
     async def _swarm_value(self, m: int) -> Optional[float]:
-        """max over stages of the median over that stage's replicas of ``lr * lambda`` measured at step ``m``."""
+        """The value of the stage whose median over its replicas of ``lr * lambda`` measured at step ``m`` is largest
+        in magnitude."""
         c = self.ctx
         try:
             found = await c.run_io(read_subkeys, c.dht, curvature_key(c.manifest.run_id, m))
@@ -103,7 +105,7 @@ class WarmupBrake:
                 by_stage.setdefault(stage, []).append(float(x))
         if not by_stage:
             return None
-        return max(statistics.median(v) for v in by_stage.values())
+        return max((statistics.median(v) for v in by_stage.values()), key=abs)
 
     def summary(self) -> dict:
         return {"mode": "curvature", "clock": self.ctx.runtime.warmup_clock, "end": self.end,
