@@ -271,7 +271,8 @@ def bench_convergence(
                                                   "(default: all that apply)"),
     link_mbps: Optional[float] = typer.Option(None, help="add the all_capped row: every link capped at this rate"),
     val_batches: int = typer.Option(4, min=1),
-    diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round"),
+    diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round, the "
+                                                    "sparse row's steps between rounds"),
 ) -> None:
     """Validation loss at equal tokens: centralized against the swarm, each source of difference alone (rounds
     overlapping compute, microbatches in flight, replicas, averaging scheme, link caps) and all together; ratio and

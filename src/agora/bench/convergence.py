@@ -10,7 +10,7 @@ rows add one source of difference at a time to ``serial``, then all together:
   in_flight       ``serial`` with ``in_flight`` microbatches in flight (pipelining within a step)
   replicas        ``serial`` with ``replicas`` per stage, full averaging
   powersgd        ``replicas`` averaged by PowerSGD
-  sparse          ``replicas`` with sparse averaging
+  sparse          ``replicas`` with sparse averaging, a round every ``diloco_every`` steps
   diloco          ``replicas`` with DiLoCo: ``diloco_every`` inner steps per outer Nesterov step (0.7 / 0.9)
   gossip          ``diloco`` with factored gossip instead of the exact average (q = 1)
   all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run)
@@ -55,7 +55,7 @@ class ConvergenceOptions:
     rows: Optional[tuple[str, ...]] = None
     link_mbps: Optional[float] = None
     val_batches: int = 4
-    diloco_every: int = 4  # DiLoCo's inner steps per outer round in the ``diloco`` row
+    diloco_every: int = 4  # DiLoCo's inner steps per outer round in the ``diloco`` row, steps between ``sparse`` rounds
 
     def row_shapes(self) -> dict[str, dict]:
         """Each row's swarm: replicas, microbatches in flight, averaging spec (None: the preset's), link cap."""
@@ -71,7 +71,8 @@ class ConvergenceOptions:
             "in_flight": row(1, f, False),
             "replicas": row(r, 1, False),
             "powersgd": row(r, 1, False, "powersgd"),
-            "sparse": row(r, 1, False, "sparse"),
+            # every: the preset's default (20) never comes at benchmark horizons of ~12 steps
+            "sparse": row(r, 1, False, f"sparse,every={self.diloco_every}"),
             "diloco": row(r, 1, False, f"diloco,every={self.diloco_every}"),
             "gossip": row(r, 1, False, f"gossip,every={self.diloco_every},q=1"),
             "all": row(r, f, None),
