@@ -24,6 +24,7 @@ from agora.net.records import DHT_TIMEOUT_S, announce, bind_owner_key, manifest_
 from agora.trust.credentials import CredentialError, load_credentials, record_validators  # noqa: E402
 
 logger = logging.getLogger("agora")
+READY_TIMEOUT_S = 90.0  # how long a new DHT process may take to report ready (hivemind waits forever)
 
 EXIT_MANIFEST_MISMATCH = 3
 EXIT_UNREACHABLE = 4
@@ -109,10 +110,23 @@ def _start_dht(initial_peers: Sequence[str], endpoint: Endpoint, client_mode: bo
     if endpoint.announce_host:
         kwargs["announce_maddrs"] = [f"/ip4/{endpoint.announce_host}/tcp/{port}"]
     if netns is None:
-        try:
-            return GuardedDHT(initial_peers=list(initial_peers), start=True, **kwargs)
-        except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
-            raise _join_error(initial_peers, err) from err
+        # hivemind's own start waits for readiness without a timeout; a DHT child that never reports ready (seen
+        # once in CI: the bootstrap of a test waited 600 s) would hold the caller forever. Bounded: two tries.
+        for attempt in (1, 2):
+            dht = GuardedDHT(initial_peers=list(initial_peers), start=False, **kwargs)
+            dht.start()
+            try:
+                dht.wait_until_ready(timeout=READY_TIMEOUT_S)
+                return dht
+            except TimeoutError as err:
+                dht.shutdown()
+                if attempt == 2:
+                    raise _join_error(initial_peers, TimeoutError(
+                        f"the DHT process did not report ready within {READY_TIMEOUT_S:g}s, twice")) from err
+                logger.warning(f"the DHT process did not report ready within {READY_TIMEOUT_S:g}s; starting a new one")
+            except Exception as err:  # hivemind raises plain exceptions from its daemon; make them actionable
+                dht.shutdown()
+                raise _join_error(initial_peers, err) from err
     dht = GuardedDHT(initial_peers=list(initial_peers), start=False, **kwargs)
     with entered(netns):  # a failure to enter is a setup error, not a join error: it propagates as is
         dht.start()  # fork only: the child inherits this thread's namespace
