@@ -17,7 +17,7 @@ from agora.config import Manifest
 from agora.data import build_datasets
 from agora.model import PipelineModel, count_parameters, flops_per_token, warmup_end, warmup_measurement
 from agora.optim import build_optimizer, lr_at, set_lr
-from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters
+from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters, warmup_holds
 
 
 def cpu_seconds() -> float:
@@ -134,9 +134,6 @@ class ModelCurvature:
         self.manifest, self.model, self.sample, self.every = manifest, model, sample, every
         self.reference = reference  # (step, products): a converged value to compare the tracker's with
         self.reference_value: Optional[float] = None
-        warm = manifest.training.warmup_depth
-        self.limit = (warm.hold_above * alarm_threshold(manifest.optimizer.betas[0])
-                      if warm is not None and warm.mode == "curvature" else float("inf"))
         self.threshold = alarm_threshold(manifest.optimizer.betas[0])
         self.params = tracked_parameters(list(model.named_parameters()))
         self.tracker = CurvatureTracker(self.params, hvps=hvps, seed=manifest.seed)
@@ -173,7 +170,7 @@ class ModelCurvature:
     def holds(self, measured_at: Optional[int]) -> bool:
         """Whether the measurement after step ``measured_at`` holds a curvature-driven warm-up's clock."""
         value = self.by_step.get(measured_at) if measured_at is not None else None
-        return value is not None and value == value and abs(value) > self.limit  # why abs: OPTIMIZER.md
+        return warmup_holds(value, self.manifest.training.warmup_depth.hold_above, self.manifest.optimizer.betas[0])
 
     def summary(self) -> dict:
         out = {"every": self.every, "hvps": self.tracker.hvps, "sequences": int(self.sample.shape[0]),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -178,6 +179,22 @@ def read_subkeys(dht: DHT, key: str, latest: bool = True) -> dict[str, Any]:
     if found is None or not isinstance(found.value, dict):
         return {}
     return {subkey_peer_id(sub): item.value for sub, item in found.value.items()}
+
+
+def stage_medians(found: dict[str, Any], manifest_hash: str, n_stages: int, field: str,
+                  minimum: Optional[float] = None) -> dict[int, float]:
+    """{stage: median over its peers' values of ``field``} from ``read_subkeys`` values ``{"stage", field,
+    "manifest_hash"}`` of this run; values of another manifest, stage numbers out of range, non-finite numbers and
+    numbers below ``minimum`` are ignored. The median, so that one replica cannot set its stage's value alone."""
+    by_stage: dict[int, list[float]] = {}
+    for value in found.values():
+        if not isinstance(value, dict) or value.get("manifest_hash") != manifest_hash:
+            continue
+        stage, x = value.get("stage"), value.get(field)
+        if isinstance(stage, int) and 0 <= stage < n_stages and isinstance(x, (int, float)) and math.isfinite(x) \
+                and (minimum is None or x >= minimum):
+            by_stage.setdefault(stage, []).append(float(x))
+    return {s: statistics.median(v) for s, v in by_stage.items()}
 
 
 def read_stage(dht: DHT, run_id: str, stage: int, manifest_hash: str) -> list[StageRecord]:

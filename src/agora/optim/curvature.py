@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["CurvatureTracker", "alarm_threshold", "tracked_parameters", "warm_power_iteration"]
+__all__ = ["CurvatureTracker", "alarm_threshold", "tracked_parameters", "warm_power_iteration", "warmup_holds"]
 
 MAX_HVPS = 5
 
@@ -38,6 +38,13 @@ def alarm_threshold(beta1: float) -> float:
     if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"beta1 must be in [0, 1), got {beta1}")
     return (2.0 + 2.0 * beta1) / (1.0 - beta1)
+
+
+def warmup_holds(lr_lambda: Optional[float], hold_above: float, beta1: float) -> bool:
+    """Whether a curvature-driven architecture warm-up holds its clock on the measurement ``lr * lambda``: above
+    ``hold_above`` x the stability threshold in magnitude (a negative value: a negative eigenvalue dominated the power
+    iteration, and the curvature is no smaller for it). No measurement (None, NaN): it does not hold."""
+    return lr_lambda is not None and math.isfinite(lr_lambda) and abs(lr_lambda) > hold_above * alarm_threshold(beta1)
 
 
 def warm_power_iteration(matvec: Callable[[Tensor], Tensor], u: Tensor, iters: int) -> Tuple[float, Tensor]:

@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
 import time
 from typing import Optional
 
 import torch
 
-from agora.net.records import PeerState, announce, read_stage, read_subkeys
+from agora.net.records import PeerState, announce, read_stage, read_subkeys, stage_medians
 
 logger = logging.getLogger("agora.averaging")
 
@@ -121,12 +120,4 @@ class GlobalClip:
             found = await c.run_io(read_subkeys, c.dht, key)
         except Exception:  # noqa: BLE001 (a slow read: try again until the deadline)
             return {}
-        by_stage: dict[int, list[float]] = {}
-        for value in found.values():
-            if not isinstance(value, dict) or value.get("manifest_hash") != c.manifest.hash:
-                continue
-            stage, sq = value.get("stage"), value.get("sq_norm")
-            if isinstance(stage, int) and 0 <= stage < self.n_stages and isinstance(sq, (int, float)) \
-                    and math.isfinite(sq) and sq >= 0:
-                by_stage.setdefault(stage, []).append(float(sq))
-        return {s: statistics.median(v) for s, v in by_stage.items()}
+        return stage_medians(found, c.manifest.hash, self.n_stages, "sq_norm", minimum=0.0)

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from typing import Optional
 
 from agora.model import warmup_end, warmup_measurement
-from agora.net.records import announce, read_subkeys
-from agora.optim.curvature import alarm_threshold
+from agora.net.records import announce, read_subkeys, stage_medians
+from agora.optim.curvature import alarm_threshold, warmup_holds
 
 logger = logging.getLogger("agora.warmup")
 
@@ -60,14 +59,17 @@ class WarmupBrake:
         if m not in self.decisions:
             self.decisions[m] = await self._swarm_value(m)
             value = self.decisions[m]
-            verdict = "holds" if value is not None and abs(value) > self.limit else "lets"
+            verdict = "holds" if self._holds(value) else "lets"
             logger.info(f"stage {self.ctx.stage_index}: curvature of step {m}: lr x lambda "
                         f"{'unknown' if value is None else f'{value:.3g}'} (limit {self.limit:.3g}): {verdict} the "
                         f"warm-up clock at {rt.warmup_clock}")
-        value = self.decisions[m]
-        held = value is not None and abs(value) > self.limit
+        held = self._holds(self.decisions[m])
         self.held_steps += held
         return held
+
+    def _holds(self, value: Optional[float]) -> bool:
+        m = self.ctx.manifest
+        return warmup_holds(value, m.training.warmup_depth.hold_above, m.optimizer.betas[0])
 
     async def publish(self) -> None:
         """Publish this replica's latest measurement once (after the step that took it)."""
@@ -95,17 +97,8 @@ class WarmupBrake:
         except Exception as err:  # noqa: BLE001 (decided as if nobody measured: the clock advances)
             logger.warning(f"stage {c.stage_index}: could not read the curvature of step {m}: {err!r}")
             return None
-        by_stage: dict[int, list[float]] = {}
-        for value in found.values():
-            if not isinstance(value, dict) or value.get("manifest_hash") != c.manifest.hash:
-                continue
-            stage, x = value.get("stage"), value.get("lr_lambda")
-            if isinstance(stage, int) and 0 <= stage < c.manifest.n_stages and isinstance(x, (int, float)) \
-                    and math.isfinite(x):
-                by_stage.setdefault(stage, []).append(float(x))
-        if not by_stage:
-            return None
-        return max((statistics.median(v) for v in by_stage.values()), key=abs)
+        medians = stage_medians(found, c.manifest.hash, c.manifest.n_stages, "lr_lambda")
+        return max(medians.values(), key=abs) if medians else None
 
     def summary(self) -> dict:
         return {"mode": "curvature", "clock": self.ctx.runtime.warmup_clock, "end": self.end,
