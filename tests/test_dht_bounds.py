@@ -6,6 +6,7 @@ import signal
 import time
 
 import pytest
+from hivemind.utils.mpfuture import MPFuture
 
 from agora.net.dht import make_dht, visible_maddrs
 
@@ -23,3 +24,8 @@ def test_visible_maddrs_of_a_killed_dht_fails_within_its_timeout():
     finally:
         if dht.is_alive():
             dht.shutdown()
+        # hivemind's DHT children send every result to this process under one lock shared by all of them
+        # (MPFuture._update_lock). A child SIGKILLed right after answering can die holding it, and then no DHT
+        # started later in this process ever reports ready (seen twice in CI: the next test's bootstrap DHT waited
+        # forever). Fresh locks for the processes started after this test.
+        MPFuture.reset_backend()
