@@ -209,8 +209,8 @@ def rotate_input(stage: Stage, r: Tensor, moments: Optional[Moments] = None, v_m
     if stage.spec.is_head:
         # Z (V x k) in subspace runs, E (V x d) in dense ones: R is that wide.
         _transform(stage.embed_tokens.weight, None, r, moments, v_mode)
-    if stage.boundary_map is not None:
-        stage.boundary_map.copy_(r.T @ stage.boundary_map.double())
+    if stage.boundary_map is not None:  # a new tensor: a forward still in flight keeps the map it ran with
+        stage.boundary_map = (r.T @ stage.boundary_map.double()).to(stage.boundary_map.dtype)
 
 
 def _read(w: Tensor, r: Tensor, u: Optional[Tensor], q: Tensor) -> Tensor:
@@ -225,7 +225,8 @@ def rotate_output(stage: Stage, r: Tensor) -> None:
     """The next stage now works in a frame rotated by R: this stage's boundary map follows (M <- M R)."""
     if stage.boundary_map is None:
         raise ValueError(f"stage {stage.spec.index} has no boundary map (the tail, or enable_frames was not called)")
-    stage.boundary_map.copy_(stage.boundary_map.double() @ reorthogonalize(r))
+    m = stage.boundary_map
+    stage.boundary_map = (m.double() @ reorthogonalize(r)).to(m.dtype)  # a new tensor (see rotate_input)
 
 
 def rotate_boundary(stages: list[Stage], boundary: int, r: Tensor, moments: Optional[Moments] = None,
@@ -233,6 +234,91 @@ def rotate_boundary(stages: list[Stage], boundary: int, r: Tensor, moments: Opti
     """Apply rotation R at ``boundary`` (between stages ``boundary`` and ``boundary + 1``) to both sides."""
     rotate_output(stages[boundary], r)
     rotate_input(stages[boundary + 1], r, moments, v_mode)
+
+
+def gain_groups(stage: Stage) -> list[tuple[str, list[str]]]:
+    """(an input-side norm gain's parameter name, the reads after it), by parameter name; gain-free norms left out."""
+    names = {n for n, _ in stage.named_parameters()}
+    groups = []
+    for layer in stage.layers:
+        pre = f"layers.{layer}."
+        groups.append((pre + "input_layernorm.weight", [f"{pre}{n}.weight" for n in READS_AFTER_INPUT_NORM]))
+        groups.append((pre + "post_attention_layernorm.weight", [f"{pre}{n}.weight" for n in READS_AFTER_POST_NORM]))
+    if stage.spec.is_tail:
+        groups.append(("norm.weight", ["lm_head.weight"]))
+    return [(g, reads) for g, reads in groups if g in names]
+
+
+def current_gains(stage: Stage) -> dict[str, Tensor]:
+    """The input-side norm gains as they are now (float64 copies): what the next rotation folds."""
+    params = dict(stage.named_parameters())
+    return {g: params[g].detach().double().clone() for g, _ in gain_groups(stage)}
+
+
+@torch.no_grad()
+def input_gradients(stage: Stage, grads: dict[str, Optional[Tensor]], r: Tensor, gains: dict[str, Tensor],
+                    weights: Optional[dict[str, Tensor]] = None) -> dict[str, Optional[Tensor]]:
+    """Gradients (by parameter name) taken in the frame before ``rotate_input(stage, r)``, moved to the frame after
+    it. ``gains``: the gains that rotation folded (``current_gains`` just before it); ``weights``: the parameters
+    the gradients were taken at (default: the stage's own, before the rotation). A backward that ran on weights of
+    the old frame lands in the new one through this (server/runtime.py).
+
+    Reads and writes move as Adam's first moment does (``rotate_input``'s m: G <- G diag(1/g) Q, G <- R^T G). A norm
+    gain is not rotated: after the rotation it scales the coordinates of the new frame, so its gradient there is
+    sum_i G'_ij W'_ij over the reads after it (G', W': their gradients and weights in the new frame, gain 1). Exact
+    at ``weights``; for a microbatch that ran on older weights than the rotation folded, as stale as it is."""
+    params = dict(stage.named_parameters())
+    at = {n: (weights[n] if weights is not None and n in weights else params[n]).detach().double() for n in params}
+    out = dict(grads)
+    r = reorthogonalize(r)
+    q = lift(stage, r)
+    u = stage.basis.double() if stage.subspace else None
+    for gain, reads in gain_groups(stage):
+        g = gains.get(gain, torch.ones(1, dtype=torch.float64))
+        if out.get(gain) is not None:
+            moved = [(_read(out[n].double() / g, r, u, q), _read(at[n] * g, r, u, q)) for n in reads
+                     if out.get(n) is not None]
+            out[gain] = sum((gr * w).sum(dim=0) for gr, w in moved) if moved else out[gain]
+        for name in reads:
+            if out.get(name) is not None:
+                out[name] = out[name].double() / g
+    for layer, block in stage.layers.items():
+        pre = f"layers.{layer}."
+        for n in (*READS_AFTER_INPUT_NORM, *READS_AFTER_POST_NORM):
+            if out.get(pre + n + ".weight") is not None:
+                out[pre + n + ".weight"] = _read(out[pre + n + ".weight"].double(), r, u, q)
+        rot = r if block.subspace else q
+        for n in WRITES:
+            if out.get(pre + n + ".weight") is not None:
+                out[pre + n + ".weight"] = rot.T @ out[pre + n + ".weight"].double()
+    if stage.spec.is_tail and out.get("lm_head.weight") is not None:
+        out["lm_head.weight"] = _read(out["lm_head.weight"].double(), r, u, q)
+    if stage.spec.is_head and out.get("embed_tokens.weight") is not None:
+        out["embed_tokens.weight"] = out["embed_tokens.weight"].double() @ r
+    return {n: (v.to(grads[n].dtype) if v is not None and grads.get(n) is not None else v) for n, v in out.items()}
+
+
+@torch.no_grad()
+def input_weights(stage: Stage, weights: dict[str, Tensor], r: Tensor, gains: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Parameters (by name, e.g. a weight snapshot) as ``rotate_input(stage, r)`` after folding ``gains`` would
+    leave them: reads W diag(g) Q, gains w / g, writes R^T W (or Q^T W), the head's embedding Z R."""
+    out = {n: w.detach().double() for n, w in weights.items()}
+    r = reorthogonalize(r)
+    q = lift(stage, r)
+    u = stage.basis.double() if stage.subspace else None
+    for gain, reads in gain_groups(stage):
+        g = gains.get(gain, torch.ones(1, dtype=torch.float64))
+        for name in reads:
+            out[name] = _read(out[name] * g, r, u, q)
+        out[gain] = out[gain] / g
+    for layer, block in stage.layers.items():
+        rot = r if block.subspace else q
+        for n in WRITES:
+            name = f"layers.{layer}.{n}.weight"
+            out[name] = rot.T @ out[name]
+    if stage.spec.is_head and "embed_tokens.weight" in out:
+        out["embed_tokens.weight"] = out["embed_tokens.weight"] @ r
+    return {n: v.to(weights[n].dtype) for n, v in out.items()}
 
 
 def signed_permutation(n: int, generator: torch.Generator) -> Tensor:

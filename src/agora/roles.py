@@ -291,6 +291,8 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "warmup": ({"active_depth": node.runtime.stage.active_depth, "clock": node.runtime.warmup_clock,
                     "held_steps": sum(s.warmup_brake.held_steps for s in syncs)}
                    if node.manifest.training.warmup_depth is not None else None),
+        # UPM: frames drawn, received, refused, sent; this stage's frame epochs and the rotations due
+        "upm": node.rotations.summary() if node.rotations is not None else None,
         **node.state_access.summary(),
         "maddrs": node.maddrs,
         "fingerprint": sync.fingerprint if sync else 0.0,

@@ -78,6 +78,8 @@ class SwarmSession:
         self.ids: list[str] = [""] * n  # session id at that peer (a new one per pin: a replay never collides)
         self.held: list[int] = [0] * n  # positions the pinned peer holds
         self.sent: list[list[list[torch.Tensor]]] = [[] for _ in range(n)]  # each stage's accepted chunks (replay)
+        # the UPM frame epoch each of those chunks' boundary was written in (None: no frames, or the head's tokens)
+        self.sent_frames: list[list[Optional[int]]] = [[] for _ in range(n)]
         self.records: list[list[StageRecord]] = [[] for _ in range(n)]
         self.failed: list[list[str]] = [[] for _ in range(n)]  # peers that failed this session, per stage
         self.bans = BanList(self.opts.ban_s)
@@ -102,33 +104,45 @@ class SwarmSession:
         if t < 1 or self.length + t > self.capacity:
             raise ValueError(f"{t} more positions do not fit: the session holds {self.length} of {self.capacity}")
         tokens = torch.tensor([list(token_ids)], dtype=torch.int32)
-        chunk = [tokens]
+        chunk, frame = [tokens], None
         try:
             for stage in range(self.manifest.n_stages):
-                out = await self._through(stage, chunk)
+                out, out_frame = await self._through(stage, chunk, frame)
                 self.sent[stage].append(chunk)
-                chunk = [out, tokens]
+                self.sent_frames[stage].append(frame)
+                chunk, frame = [out, tokens], out_frame
         except GenerationError as err:
             self.broken = err
             raise
         self.length += t
         return out[0]
 
-    async def _through(self, stage: int, chunk: list[torch.Tensor]) -> torch.Tensor:
-        """The reply of ``stage``'s pinned peer to ``chunk``, re-pinning and replaying after failures (bounded)."""
+    async def _through(self, stage: int, chunk: list[torch.Tensor],
+                       frame: Optional[int]) -> tuple[torch.Tensor, Optional[int]]:
+        """The reply of ``stage``'s pinned peer to ``chunk`` (written in UPM frame ``frame``), re-pinning and
+        replaying after failures (bounded); returns it with the frame its boundary is written in."""
         errors: list[str] = []
         for attempt in range(self.opts.max_failovers + 1):
             peer = self.pins[stage] or await self._pin(stage, errors)
             # A pin holds the whole session so far, or (fresh) nothing: then it gets the stage's whole input so far
-            # and this chunk in one request.
+            # and this chunk, one request per run of chunks written in one frame.
             start = self.held[stage]
-            tensors = chunk if start == self.length else _concat([*self.sent[stage], chunk])
-            meta = {"run_id": self.manifest.run_id, "manifest_hash": self.manifest.hash, "stage": stage,
-                    "session": self.ids[stage], "position": start, "capacity": self.capacity, "close": False}
+            requests = [(chunk, frame)] if start == self.length else \
+                _frame_runs([*self.sent[stage], chunk], [*self.sent_frames[stage], frame])
             try:
-                _, reply = await transport.call(self.p2p, peer, self.manifest.run_id, INFER, meta, tensors,
-                                                self.opts.call_timeout_s, stats=self.stats)
+                for tensors, in_frame in requests:
+                    meta = {"run_id": self.manifest.run_id, "manifest_hash": self.manifest.hash, "stage": stage,
+                            "session": self.ids[stage], "position": self.held[stage], "capacity": self.capacity,
+                            "close": False}
+                    if in_frame is not None:
+                        meta["frame"] = in_frame
+                    reply_meta, reply = await transport.call(self.p2p, peer, self.manifest.run_id, INFER, meta,
+                                                             tensors, self.opts.call_timeout_s, stats=self.stats)
+                    self.held[stage] += tensors[-1].shape[1]
                 out = self._checked(stage, reply, tensors[-1].shape[1], chunk[-1].shape[1])
+                out_frame = reply_meta.get("frame") if isinstance(reply_meta, dict) else None
+                if out_frame is not None and (isinstance(out_frame, bool) or not isinstance(out_frame, int)):
+                    raise RpcError("bad_reply", "'frame' must be an integer")
             except RpcError as err:
                 if err.code == "rate_limited" and attempt < self.opts.max_failovers:
                     await asyncio.sleep(self.opts.backoff_s * (attempt + 1))  # refused before compute: same pin
@@ -141,8 +155,7 @@ class SwarmSession:
                 self._unpin(stage, peer, bannable=err.code in BANNABLE or err.code == "bad_reply")
                 self.failovers += 1
                 continue
-            self.held[stage] = start + tensors[-1].shape[1]
-            return out
+            return out, out_frame
         raise GenerationError(stage, "retries_exhausted",
                               f"{self.opts.max_failovers + 1} attempts failed ({'; '.join(errors)})")
 
@@ -218,6 +231,18 @@ class SwarmSession:
 def _concat(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """Chunks of one stage's input, joined along the positions into one request."""
     return [torch.cat(parts, dim=1) for parts in zip(*chunks)]
+
+
+def _frame_runs(chunks: list[list[torch.Tensor]],
+                frames: list[Optional[int]]) -> list[tuple[list[torch.Tensor], Optional[int]]]:
+    """Consecutive chunks written in one UPM frame, each run joined into one request (a replay)."""
+    runs: list[tuple[list[list[torch.Tensor]], Optional[int]]] = []
+    for chunk, frame in zip(chunks, frames):
+        if runs and runs[-1][1] == frame:
+            runs[-1][0].append(chunk)
+        else:
+            runs.append(([chunk], frame))
+    return [(_concat(group), frame) for group, frame in runs]
 
 
 def _prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -186,6 +186,21 @@ class StateAccessConfig(_Strict):
         return self
 
 
+class UpmConfig(_Strict):
+    """UPM in a live swarm (issue #17, docs/UPM.md): every ``every_s`` seconds one replica of each stage b draws a
+    random orthogonal frame for the boundary between stages b and b+1 and sends it to the replicas of those two stages
+    only; all of them apply it right after the optimizer step it names (server/upm.py)."""
+
+    every_s: float = Field(default=30.0, ge=1.0, le=86_400, description="seconds between rotations of a boundary")
+    lead_steps: int = Field(
+        default=2, ge=1, le=100,
+        description="a rotation drawn at step s is applied right after step s + lead_steps: time for it to reach "
+        "every replica of both stages",
+    )
+    v_mode: Literal["mixed", "keep", "isotropic"] = Field(
+        default="mixed", description="how Adam's second moment follows a rotation (agora.frames.V_MODES)")
+
+
 class SecurityConfig(_Strict):
     """Who speaks for the run. Part of the manifest (and its hash), so changing the authority makes another run."""
 
@@ -198,6 +213,7 @@ class SecurityConfig(_Strict):
         default=False, description="only peers holding a certificate of the authority (`agora certify`) take part"
     )
     state_access: StateAccessConfig = StateAccessConfig()
+    upm: Optional[UpmConfig] = Field(default=None, description="rotate the frames at stage boundaries (UPM)")
 
     @model_validator(mode="after")
     def _allow_list_needs_authority(self) -> "SecurityConfig":
@@ -335,7 +351,28 @@ class Manifest(_Strict):
         if warm is not None and warm.start_depth >= self.model.n_layers:
             raise ValueError(f"training.warmup_depth.start_depth ({warm.start_depth}) must be below model.n_layers "
                              f"({self.model.n_layers}): with every block active from the start there is no warm-up")
+        if self.security.upm is not None:
+            self._upm_supported()
         return self
+
+    def _upm_supported(self) -> None:
+        """What a rotating swarm supports today (server/upm.py moves parameters, AdamW moments and gradients)."""
+        why = None
+        if self.n_stages < 2:
+            why = "it needs at least two stages (a boundary to rotate)"
+        elif self.averaging.scheme != "full":
+            why = (f"averaging.scheme {self.averaging.scheme!r} keeps state of its own (error feedback, outer "
+                   f"parameters) that rotations do not move yet; use scheme: full")
+        elif self.optimizer.name not in ("adamw", "nadam"):
+            why = f"optimizer {self.optimizer.name!r}: only AdamW/NAdam moments follow rotations"
+        elif self.optimizer.lookahead:
+            why = "optimizer.lookahead extrapolates along moments that a rotation moves"
+        elif self.model.tie_embeddings:
+            why = "a tied embedding held by head and tail would need one matrix in two frames (untie it)"
+        elif self.training.warmup_depth is not None:
+            why = "training.warmup_depth is not combined with rotating frames yet"
+        if why:
+            raise ValueError(f"security.upm: {why}")
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -362,6 +399,8 @@ class Manifest(_Strict):
             del data["training"]  # the section came later: manifests without it keep their hash
         if self.optimizer.name not in ("muon", "numuon"):
             del data["optimizer"]["muon"]  # the section came later and is unread here: hashes stay
+        if self.security.upm is None:
+            del data["security"]["upm"]  # the field came later: manifests without UPM keep their hash
         if self.security.state_access == StateAccessConfig():
             del data["security"]["state_access"]  # the section came later: default manifests keep their hash
         if not self.model.tie_embeddings:

@@ -14,6 +14,7 @@ GET_STATE = "get_state"  # parameters and optimizer moments of a stage (a joinin
 INFO = "info"  # a peer's record and recent events (dashboard, status)
 TIED_GRAD = "tied_grad"  # a step's gradient of a tied embedding, between the head's and the tail's replicas
 INFER = "infer"  # one chunk of a generation session through this stage, with the session's KV cache kept here
+FRAME = "frame"  # a UPM rotation of one boundary's frame, to the replicas of the two stages beside it (server/upm.py)
 CLAIM = "claim"  # a hedge target asks the replica first called whether it may apply the microbatch (exactly_once.py)
 
 OVER_SHARE = "over_share"
@@ -32,6 +33,7 @@ RETRYABLE = frozenset({
     "banned",  # the peer was banned by SENTINEL somewhere: route around it
     "sentinel",  # a message on this path was flagged as corrupted
     "rate_limited",
+    "frame_unknown",  # the peer cannot convert our UPM frame yet (a rotation on its way): another replica, or later
     "batch_full",  # the stage holds its whole target batch and has not stepped yet: later, or another path
     OVER_SHARE,  # this replica holds its share of the batch: another replica of the stage (a redirect, not a failure)
     transport.BUSY,  # the peer is at one of its limits on incoming requests (streams, buffered bytes)

@@ -73,11 +73,16 @@ class Downstream:
             logger.warning(f"reading stage {self.next_stage} records failed: {err!r}")
 
     # ------------------------------------------------------------------ one hop
-    async def send(self, meta: dict, boundary: Boundary, last: torch.Tensor, version: Optional[list] = None) -> Reply:
+    async def send(self, meta: dict, boundary: Boundary, last: torch.Tensor, version: Optional[list] = None,
+                   frame: Optional[int] = None) -> Reply:
         """Send the boundary to a peer of the next stage and return its reply (loss, path, the gradient of the
         boundary); retries other replicas on failures (bounded). ``version``: this stage's ``sent_version`` for the
-        microbatch (the receiver's SENTINEL uses it)."""
+        microbatch (the receiver's SENTINEL uses it). ``frame``: the UPM frame epoch the boundary is written in (the
+        receiver converts it, and its gradient back; None without UPM)."""
         down_meta = dict(meta, stage=self.next_stage, version=version)
+        down_meta.pop("frame", None)  # the frame our caller wrote our input in is not the frame of our output
+        if frame is not None:
+            down_meta["frame"] = frame
         down_meta.pop("hedge_of", None)  # a hedge between our stage's replicas; the next stage's call is our own
         tensors = [boundary.coords, boundary.tokens, last]
         screening = self.hooks.screening

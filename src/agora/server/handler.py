@@ -22,11 +22,13 @@ from agora.config import Manifest
 from agora.net import transport
 from agora.net.state_transfer import StateSnapshots
 from agora.net.errors import NO_ANSWER
-from agora.net.protocol import CLAIM, FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD, held_seconds
+from agora.net.protocol import CLAIM, FRAME, FWD_BWD, GET_STATE, INFER, INFO, TIED_GRAD, held_seconds
 from agora.net.records import PeerState
 from agora.net.transport import RpcError
 from agora.server.exactly_once import ExactlyOnce, microbatch_key
+from agora.frames import FRAME_MAP
 from agora.server.runtime import WARMUP_CLOCK, StageRuntime, trim_heap
+from agora.server.upm import FRAME_EPOCHS
 from agora.server.runtime import Pending
 from agora.server.screening import Message
 from agora.wire import bytes_per_token
@@ -38,6 +40,9 @@ CLAIM_TIMEOUT_S = 2.0
 WILL_NOT_APPLY = NO_ANSWER | {"leaving", "not_serving", "wrong_stage"}
 
 logger = logging.getLogger("agora.node")
+# What a weights-only download (``params_only``: an export) carries besides the parameters: what the weights mean
+# (the warm-up's depth, the UPM frame map and epochs).
+WEIGHTS_ONLY_EXTRAS = (WARMUP_CLOCK, FRAME_MAP, FRAME_EPOCHS)
 
 
 def max_microbatch(manifest: Manifest) -> int:
@@ -117,6 +122,8 @@ class StageHandler:
         await transport.add_handler(p2p, ns, INFO, self.info, gate=gate, admit=self.admit_info)
         await transport.add_handler(p2p, ns, TIED_GRAD, self.tied_grad, gate=gate, admit=self.admit_compute)
         await transport.add_handler(p2p, ns, CLAIM, self.claim, gate=gate, admit=self.admit_info)
+        if self.node.rotations is not None:  # UPM rotations from the replicas of the stages beside us
+            await transport.add_handler(p2p, ns, FRAME, self.node.rotations.offer, gate=gate, admit=self.admit_frame)
         # Generation sessions: admission is ours (authorize, bans, rate limit, check_addressed, size).
         inference = self.node.inference
         await transport.add_handler(p2p, ns, INFER, inference.infer, stats=inference.wire, gate=gate,
@@ -211,6 +218,16 @@ class StageHandler:
     async def admit_info(self, meta: dict, announced_bytes: int, caller: PeerID) -> None:
         self.check_size(announced_bytes, 0, "info request")
 
+    async def admit_frame(self, meta: dict, announced_bytes: int, caller: PeerID) -> None:
+        """A UPM rotation: a certified caller (allow-listed runs), not banned, and one float64 n x n matrix."""
+        sender = str(caller)
+        await self.authorize(sender)
+        if sender in self.node.banned_peers():
+            raise self.reject("banned", f"peer {sender} is banned here for sending corrupted messages")
+        m = self.manifest
+        n = m.residual.k if m.residual.mode == "subspace" else m.model.d_model
+        self.check_size(announced_bytes, 8 * n * n + 4096, "rotation")
+
     async def admit(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:
         """A decoded ``fwd_bwd`` request (its caller was admitted at the header): still addressed to what we serve
         now, and well-formed for this stage."""
@@ -233,7 +250,7 @@ class StageHandler:
         await self.admit(sender, meta, tensors)
         rt = self.node.runtime
         if meta.get("audit"):
-            return await self._audit(rt, tensors)
+            return await self._audit(rt, meta, tensors)
         train = bool(meta.get("train", True))
         if not rt.is_head and train:
             await self._screen_activations(sender, meta, tensors)
@@ -242,12 +259,14 @@ class StageHandler:
                                                                      wanted=lambda: self.exactly_once.wanted(key),
                                                                      key=key))
 
-    async def _audit(self, rt: StageRuntime, tensors: list[torch.Tensor]):
+    async def _audit(self, rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]):
         """Recompute for a replica's receiver; nothing here trains on it, so it is not screened either."""
         if not (rt.is_tail or rt.is_head):
             raise self.reject("wrong_stage", "audits are served by the first and the last stage only")
-        recompute = rt.recompute_tail if rt.is_tail else rt.recompute_head
-        out, version = await self.node.run_compute(recompute, tensors, rt.generation)
+        if rt.is_tail:
+            out, version = await self.node.run_compute(rt.recompute_tail, tensors, rt.generation, meta.get("frame"))
+        else:
+            out, version = await self.node.run_compute(rt.recompute_head, tensors, rt.generation)
         return {"loss": None, "path": [self.node.peer_id], "version": version}, [out]
 
     async def _screen_activations(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:
@@ -305,7 +324,7 @@ class StageHandler:
         node.inflight += 1
         node.queue += 1
         try:
-            pending, loss = await node.run_compute(rt.forward, tensors, train, generation)
+            pending, loss = await node.run_compute(rt.forward, tensors, train, generation, meta.get("frame"))
             node.queue -= 1
             counters.forward += 1
             counters.tokens += pending.tokens.numel() if train else 0
@@ -318,7 +337,8 @@ class StageHandler:
             boundary = rt.boundary(pending)
             if train:  # nobody waits for it (a hedge won elsewhere): the next stages must not apply it either
                 await self._point_of_no_return(epoch, wanted, key, meta, claim)
-            down_meta, down_tensors = await downstream.send(meta, boundary, tensors[-1], pending.version)
+            down_meta, down_tensors = await downstream.send(meta, boundary, tensors[-1], pending.version,
+                                                            frame=pending.frame_out)
             path = [node.peer_id, *down_meta.get("path", [])]
             if not train:
                 return {"loss": down_meta.get("loss"), "path": path}, []
@@ -432,7 +452,7 @@ class StageHandler:
                 raise RpcError("busy", "other state downloads are in progress here; try another replica or later")
             step, names, state = await node.run_compute(node.runtime.export_state)
             if kind == "params_only":  # an export needs the weights only: a third of the bytes
-                kept = [i for i, n in enumerate(names) if n.startswith("param/") or n == WARMUP_CLOCK]
+                kept = [i for i, n in enumerate(names) if n.startswith("param/") or n in WEIGHTS_ONLY_EXTRAS]
                 names, state = [names[i] for i in kept], [state[i] for i in kept]
             token = self.snapshots.add(step, node.sync.fingerprint, names, state, kind=kind, owner=owner)
             del state

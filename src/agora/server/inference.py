@@ -99,7 +99,7 @@ class InferenceSessions:
                                               f"capacity of {session.capacity} positions")
         session.busy = True
         try:
-            out = await self._compute(session, tensors, position)
+            out, frame = await self._compute(session, tensors, position, meta.get("frame"))
         except BaseException:
             if session.length == 0:  # a session whose first chunk failed holds nothing worth keeping
                 self._drop(key, "closed")
@@ -112,7 +112,10 @@ class InferenceSessions:
         self.stats.tokens += t
         if close:
             self._drop(key, "closed")
-        return {"length": session.length, "step": session.runtime.step}, [out]
+        reply = {"length": session.length, "step": session.runtime.step}
+        if frame is not None:
+            reply["frame"] = frame  # the UPM frame epoch the returned boundary is written in
+        return reply, [out]
 
     def _parse_meta(self, meta: dict) -> tuple[str, int, bool]:
         reject = self.node.handler.reject
@@ -228,7 +231,8 @@ class InferenceSessions:
             await asyncio.sleep(SWEEP_PERIOD_S)
 
     # ------------------------------------------------------------------ compute
-    async def _compute(self, session: Session, tensors: list[torch.Tensor], position: int) -> torch.Tensor:
+    async def _compute(self, session: Session, tensors: list[torch.Tensor], position: int,
+                       frame: Optional[int] = None) -> tuple[torch.Tensor, Optional[int]]:
         """One chunk on the node's compute thread, with training first.
 
         Not a thread of its own: optimizer steps, state imports and stage moves change the parameters in place on
@@ -241,10 +245,12 @@ class InferenceSessions:
         if self._gate is None:
             self._gate = asyncio.Semaphore(1)
         async with self._gate:
-            return await self.node.run_compute(self._decode, session, tensors, position)
+            return await self.node.run_compute(self._decode, session, tensors, position, frame)
 
-    def _decode(self, session: Session, tensors: list[torch.Tensor], position: int) -> torch.Tensor:
-        """Compute thread: allocate the session's cache on its first chunk, then run the chunk."""
+    def _decode(self, session: Session, tensors: list[torch.Tensor], position: int,
+                frame: Optional[int]) -> tuple[torch.Tensor, Optional[int]]:
+        """Compute thread: allocate the session's cache on its first chunk, then run the chunk; returns its output
+        and the UPM frame epoch that output is written in (None without frames, and from the tail)."""
         t0 = time.perf_counter()
         rt = session.runtime
         if session.dropped:
@@ -254,6 +260,6 @@ class InferenceSessions:
         if cache is None:
             cache = session.cache = KVCache.for_stage(rt.stage, 1, session.capacity)
         try:
-            return rt.decode(cache, tensors, position, rt.generation)
+            return rt.decode(cache, tensors, position, rt.generation, frame), rt.frame_out
         finally:
             self.stats.compute_s += time.perf_counter() - t0

@@ -47,6 +47,7 @@ from agora.server.observers import Observers
 from agora.server.rebalance import Rebalancer
 from agora.server.runtime import Counters, OutputFilter, RuntimeOptions, StageRuntime
 from agora.server.screening import Screening, ScreeningHooks
+from agora.server.upm import RotationHooks, Rotations
 from agora.trust.ratelimit import RateLimiter
 
 logger = logging.getLogger("agora.node")
@@ -143,6 +144,12 @@ class StageNode:
         self.handler = StageHandler(self)
         self.inference = InferenceSessions(self, self.opts.inference_memory_bytes, self.opts.inference_idle_s)
         self.rebalancer = Rebalancer(self)
+        # UPM: the rotations of the frames at this node's boundaries (None: the run does not rotate)
+        self.rotations = Rotations(manifest, RotationHooks(
+            peer_id=self.peer_id, p2p=lambda: self._p2p, dht=dht, run_io=self.run_io, run_compute=self.run_compute,
+            ledger=lambda: self.runtime.frames, stage=lambda: self.stage_index, step=lambda: self.runtime.step,
+            is_serving=lambda: self.state == PeerState.SERVING, log_event=self.log_event,
+        )) if manifest.security.upm is not None else None
         self.downstream: Optional[Downstream] = None  # built with the P2P, in start()
         self.maddrs: list[str] = []  # where others can dial this peer (announced: any live peer is a way in)
         self._p2p = None
@@ -254,6 +261,8 @@ class StageNode:
         self._tasks.append(asyncio.create_task(self.inference.run(), name="inference-expiry"))
         self._tasks.append(asyncio.create_task(self._witness_loop(), name="state-ledger"))
         self._tasks.append(asyncio.create_task(self.freeze.run(), name="freeze-watch"))
+        if self.rotations is not None:
+            self._tasks.append(asyncio.create_task(self.rotations.run(), name="upm-rotations"))
         await self._join_stage()
         if self.opts.rebalance_every_s > 0:
             self._tasks.append(asyncio.create_task(self.rebalancer.run(), name="rebalance"))

@@ -28,6 +28,7 @@ import torch
 from agora.config import Manifest
 from agora.model import KVCache, Stage, tied_parameter
 from agora.frames import FRAME_MAP, check_frame_map
+from agora.server.upm import FRAME_EPOCHS, FrameLedger
 from agora.net.transport import RpcError
 from agora.optim import build_optimizer, set_lr
 from agora.server.checkpoint import save_stage_checkpoint
@@ -189,6 +190,12 @@ class Pending:
     coords: Optional[torch.Tensor] = None  # the received input, kept instead of the graph (``backward="recompute"``)
     version: Optional[list] = None  # ``sent_version`` of the weights the forward ran on (read on the compute thread)
     clock: int = 0  # the architecture warm-up's clock at the forward (its depth and write scales)
+    # UPM (server/upm.py): the input frame epoch the forward ran in, the map taking our input gradient back to the
+    # sender's frame (None: the same frame), and the boundary map the forward used (a recompute uses it again).
+    frame_in: int = 0
+    frame_back: Optional[torch.Tensor] = None
+    frame_map: Optional[torch.Tensor] = None
+    frame_out: Optional[int] = None  # the frame epoch of our output boundary at the forward (sent downstream)
 
 
 WARMUP_CLOCK = "warmup/clock"  # the architecture warm-up's clock in a stage's state (runs with a warm-up only)
@@ -238,6 +245,12 @@ class StageRuntime:
                                          names=[n for n, _ in self.stage.named_parameters()])
         self.counters = counters
         self.observers = observers
+        upm = manifest.security.upm
+        if upm is not None and options.offload_optimizer:
+            raise ValueError("security.upm: rotations move the optimizer's moments on the stage's device; run this "
+                             "peer without --offload-optimizer")
+        # UPM: this stage's boundary frames and the rotations due (None: the run does not rotate)
+        self.frames = FrameLedger(self.stage, upm.v_mode, self._moments) if upm is not None else None
         warm = manifest.training.warmup_depth
         # A curvature-driven warm-up needs every stage's measurements, at the manifest's cadence.
         every = warm.curvature_every if warm is not None and warm.mode == "curvature" else options.curvature_every
@@ -319,13 +332,15 @@ class StageRuntime:
         return tensor
 
     # ------------------------------------------------------------------ forward / backward
-    def forward(self, tensors: list[torch.Tensor], train: bool, generation: int) -> tuple[Pending, Optional[float]]:
+    def forward(self, tensors: list[torch.Tensor], train: bool, generation: int,
+                frame: Optional[int] = None) -> tuple[Pending, Optional[float]]:
         """The stage's forward for a microbatch (the tail also runs its backward here); returns what the backward
-        needs and the loss (tail only)."""
+        needs and the loss (tail only). ``frame``: the UPM frame epoch the sender wrote the boundary in."""
         self.check_generation(generation)
         t0 = time.perf_counter()
         tokens, last = self._in(tensors[-2]).long(), self._in(tensors[-1]).long()
         coords = None if self.is_head else tensors[0]
+        coords, back = self._into_frame(coords, frame)
         stash = self._stashed() if train and not self.is_tail else None
         # recompute: the graph is not kept; the backward rebuilds it from the input on the same snapshot.
         keep_graph = train and (self.is_tail or self.options.backward == "stash")
@@ -348,7 +363,26 @@ class StageRuntime:
             self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
         kept = coords if train and not keep_graph and not self.is_tail else None
         return Pending(tokens, leaf, out, self.step, self.generation, fwd_s, weights=stash,
-                       version=self.sent_version(self.step), coords=kept, clock=self.warmup_clock), loss
+                       version=self.sent_version(self.step), coords=kept, clock=self.warmup_clock,
+                       frame_in=self.frames.epoch_in if self.frames is not None else 0, frame_back=back,
+                       frame_map=self.stage.boundary_map, frame_out=self.frame_out), loss
+
+    def _into_frame(self, coords: Optional[torch.Tensor], frame: Optional[int]):
+        """(coords in our input frame, the map back to the sender's frame or None). UPM runs only."""
+        if self.frames is None or coords is None:
+            return coords, None
+        c = self.frames.conversion(frame)
+        if c is None:
+            return coords, None
+        return (coords.double() @ c).float(), c.T
+
+    @property
+    def frame_out(self) -> Optional[int]:
+        """The frame epoch of our output boundary (what our boundaries are written in); None without UPM."""
+        return self.frames.epoch_out if self.frames is not None and not self.is_tail else None
+
+    def _moments(self, p: torch.nn.Parameter) -> Optional[dict]:
+        return self.optimizer.state.get(self._master(p))
 
     def _in(self, tensor: torch.Tensor) -> torch.Tensor:
         """A received tensor on this stage's device."""
@@ -396,20 +430,27 @@ class StageRuntime:
             # recompute: the forward again, on the snapshot it first ran on, now keeping its graph. Same function,
             # same input, same weights: the same output and gradients as a stashed graph.
             # the forward ran at its step's depth and write scales (architecture warm-up)
-            now = self.stage.active_depth, self.stage.write_scales
+            now = self.stage.active_depth, self.stage.write_scales, self.stage.boundary_map
             self.stage.set_step(pending.clock)
+            self.stage.boundary_map = pending.frame_map  # and in the UPM frame it ran in
             try:
                 with torch.enable_grad(), self._autocast():
                     pending.leaf, pending.out = self.forward_from(pending.coords, pending.tokens, pending.weights)
             finally:
-                self.stage.active_depth, self.stage.write_scales = now
+                self.stage.active_depth, self.stage.write_scales, self.stage.boundary_map = now
         next_basis = self.stage.basis if self.manifest.residual.mode == "subspace" else None
         sent = pending.out @ next_basis if next_basis is not None else pending.out
         sent.backward(self._in(grad_out).to(sent.dtype))
         if self.curvature is not None:
             self.curvature.keep(pending.leaf, pending.tokens, grad_out=grad_out)
         if pending.weights is not None:
-            # The gradient landed on the snapshot: move it to the live parameters, where steps are taken.
+            # The gradient landed on the snapshot: move it to the live parameters, where steps are taken (in the
+            # frame they are in now: a UPM rotation of our input may have come since the forward).
+            if self.frames is not None and pending.frame_in != self.frames.epoch_in:
+                moved = self.frames.stale_gradients({n: w.grad for n, w in pending.weights.items()},
+                                                    pending.frame_in, pending.weights)
+                for name, w in pending.weights.items():
+                    w.grad = moved[name]
             for name, p in self.stage.named_parameters():
                 g = pending.weights[name].grad
                 if g is not None:
@@ -431,7 +472,10 @@ class StageRuntime:
         self.last_sample_time = time.monotonic()
         if pending.leaf is None:
             return None
-        return self.filtered("bwd", pending.leaf.grad.to(self.wire_dtype).cpu())
+        grad = pending.leaf.grad
+        if pending.frame_back is not None:  # back into the frame its sender wrote the boundary in (UPM)
+            grad = grad.double() @ pending.frame_back.to(grad.device)
+        return self.filtered("bwd", grad.to(self.wire_dtype).cpu())
 
     def record_loss(self, loss: float) -> None:
         self.loss_ema = loss if math.isnan(self.loss_ema) else 0.9 * self.loss_ema + 0.1 * loss
@@ -447,21 +491,26 @@ class StageRuntime:
         coords = compress(out.float(), tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords
         return coords.cpu(), self.sent_version(self.step)
 
-    def recompute_tail(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
+    def recompute_tail(self, tensors: list[torch.Tensor], generation: int,
+                       frame: Optional[int] = None) -> tuple[torch.Tensor, list]:
         """An audit request: the gradient this tail returns for ``tensors``, without training on it (no parameter
         gradients, samples or throughput counted), and the version of the weights used. The same computation as
         ``forward`` + ``finish_tail``, so that an honest tail at the same version reproduces it bit for bit."""
         self.check_generation(generation)
         tokens, last = self._in(tensors[-2]).long(), self._in(tensors[-1]).long()
+        coords, back = self._into_frame(tensors[0], frame)
         with torch.enable_grad():
             with self._autocast():
-                leaf, out = self.forward_from(tensors[0], tokens)
+                leaf, out = self.forward_from(coords, tokens)
                 loss = self.stage.loss(out, next_token_targets(tokens, last)) * tokens.shape[0]
             (grad,) = torch.autograd.grad(loss, leaf)
+        if back is not None:
+            grad = grad.double() @ back.to(grad.device)
         return grad.to(self.wire_dtype).cpu(), self.sent_version(self.step)
 
     # ------------------------------------------------------------------ generation sessions (server/inference.py)
-    def decode(self, cache: KVCache, tensors: list[torch.Tensor], position: int, generation: int) -> torch.Tensor:
+    def decode(self, cache: KVCache, tensors: list[torch.Tensor], position: int, generation: int,
+               frame: Optional[int] = None) -> torch.Tensor:
         """One chunk of a generation session: the positions from ``position`` on, after those in ``cache``.
 
         ``tensors`` is [token ids int32 [1, t]] on the head, else [boundary coords, token ids]. Returns what goes
@@ -480,7 +529,8 @@ class StageRuntime:
             if self.is_head:
                 out = self.stage(tokens, cache)
             else:
-                boundary = Boundary(self._in(tensors[0]).float(), tokens, self.manifest.residual.mode)
+                coords, _ = self._into_frame(tensors[0], frame)  # the KV cache is the same in every frame
+                boundary = Boundary(self._in(coords).float(), tokens, self.manifest.residual.mode)
                 out = self.stage(decompress(boundary, self.stage.basis, self.stage.frozen_embed), cache)
             if self.is_tail:
                 return self.stage.logits(out[:, -1:])[:, -1].float().cpu()
@@ -566,11 +616,26 @@ class StageRuntime:
         if not hold_warmup:
             self.warmup_clock += 1
         self._grow()
+        self._rotate_due()
         self.parameter_sample = (self.step, self.sample_parameters())
         if self.curvature is not None:
             self.curvature.after_step(self.step, self.counters.busy_s)
         if self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _rotate_due(self) -> None:
+        """UPM: apply the rotations due after this step (parameters, moments, and the gradients accumulated toward
+        the next step all move to the new frame; server/upm.py)."""
+        if self.frames is None or not self.frames.due:
+            return
+        applied = self.frames.applied
+        named = dict(self.stage.named_parameters())
+        moved = self.frames.apply_due(self.step, self._moments, {n: p.grad for n, p in named.items()})
+        if self.frames.applied != applied:
+            for name, p in named.items():
+                p.grad = moved[name]
+            self.version += 1  # the next forward takes a snapshot of the new frame
+            self.observers.emit("rotation", self.stage_index, self.step, self.frames.summary())
 
     def _sample_positions(self) -> list[tuple[int, int]]:
         """(parameter index, flat offset) of ``PARAMETER_SAMPLE`` positions drawn uniformly over the stage's
@@ -628,6 +693,9 @@ class StageRuntime:
         if self.stage.boundary_map is not None:  # UPM: the map into the next stage's frame (agora.frames)
             names.append(FRAME_MAP)
             tensors.append(self.stage.boundary_map.detach().cpu().clone())
+        if self.frames is not None:
+            names.append(FRAME_EPOCHS)
+            tensors.append(self.frames.export())
         for name, value in self.sync_state.items():
             names.append(name)
             tensors.append(value.detach().cpu().clone())
@@ -668,6 +736,8 @@ class StageRuntime:
                 if not keep_grads:
                     p.grad = None
             self.stage.boundary_map = frame.to(self.stage.rope_cos.device) if frame is not None else None
+            if self.frames is not None:
+                self.frames.restore(by_name.get(FRAME_EPOCHS))
         # The scheme checks what it finds here (and starts afresh without it: a checkpoint of another scheme).
         self.sync_state = {n: t.clone() for n, t in by_name.items() if n.startswith(SYNC_PREFIX)}
         self.version += 1

@@ -82,6 +82,9 @@ def parameter_fingerprint(module: torch.nn.Module) -> float:
         total = 0.0
         for i, p in enumerate(module.parameters()):
             total += float(p.double().sum()) * (1 + i * 1e-3) + float(p.double().abs().sum()) * 1e-7
+        m = getattr(module, "boundary_map", None)  # UPM: replicas in another output frame are not at our version
+        if m is not None:
+            total += float((m.double() * torch.arange(1, m.numel() + 1, dtype=torch.float64).reshape(m.shape)).sum())
         return total
 
 
@@ -295,6 +298,14 @@ class ReplicaSync:
         """
         c = self.ctx
         members = {str(p) for p in result} - {c.peer_id}
+        frames = c.runtime.frames
+        if frames is not None:
+            ours = [frames.epoch_in, frames.epoch_out]
+            other = [str(p) for p, g in result.items() if not isinstance(g, dict) or g.get("frame") != ours]
+            if other:
+                logger.warning(f"stage {c.stage_index}: replicas {[p[-8:] for p in other]} averaged in another UPM "
+                               f"frame than ours ({ours}); discarding the round")
+                return True
         if members & self._banned:
             logger.warning(f"stage {c.stage_index}: a banned replica joined the round; discarding it")
             return True
@@ -587,7 +598,11 @@ class ReplicaSync:
                            f"step {step + 1} is taken without averaging")
             return None
         await self.ctx.run_compute(self._load_buffers, grads, step)
-        self.control = await self._start_round(samples, {"step": step, "samples": samples})
+        gather = {"step": step, "samples": samples}
+        frames = self.ctx.runtime.frames
+        if frames is not None:  # UPM: gradients of replicas in other frames must not be averaged (``_untrusted``)
+            gather["frame"] = [frames.epoch_in, frames.epoch_out]
+        self.control = await self._start_round(samples, gather)
         try:
             return await self._await_round(self.control, step, self.ctx.averaging_timeout_s)
         finally:

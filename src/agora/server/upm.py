@@ -1,0 +1,363 @@
+"""UPM in a live swarm: rotating the frame of each stage boundary while the swarm trains (docs/UPM.md).
+
+``FrameLedger`` (one per runtime, compute thread): the frame epochs of this stage's input and output boundaries,
+the rotations accepted and due at a step, and the conversions between epochs for messages of the old frame.
+``Rotations`` (one per node, event loop): the protocol. The lowest-id serving replica of stage b draws R for
+boundary b every ``security.upm.every_s``, names the step after which it applies (``lead_steps`` ahead) and sends it
+with the ``frame`` RPC to the replicas of stages b and b+1 only; every holder pushes it on to those it has no
+acknowledgement from, so a drawer that dies mid-send still reaches everybody who got one copy. R never enters the
+DHT. Replicas of a stage apply it after the same step, so they keep averaging in one frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from agora.config import Manifest
+from agora.frames import (current_gains, enable_frames, frame_width, haar_orthogonal,
+                          input_gradients, input_weights, reorthogonalize, rotate_input, rotate_output)
+from agora.model import Stage
+from agora.net import transport
+from agora.net.protocol import FRAME
+from agora.net.records import PeerState, StageRecord, read_stage
+from agora.net.transport import RpcError
+
+logger = logging.getLogger("agora.upm")
+
+HISTORY = 8  # rotations of the input boundary kept for converting late messages and stale gradients
+FRAME_EPOCHS = "frame/epochs"  # [input epoch, output epoch] in a stage's state (downloads, checkpoints)
+PUSH_EVERY_S = 1.0  # how often a holder of an unacknowledged rotation sends it again to a peer
+CALL_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Rotation:
+    """R (float64, orthogonal) for ``boundary`` taking its frame from ``epoch - 1`` to ``epoch``, applied right
+    after optimizer step ``apply_step``; ``drawer``: the peer id that drew it (the lower one wins a conflict)."""
+
+    boundary: int
+    epoch: int
+    apply_step: int
+    r: Tensor
+    drawer: str
+
+
+class FrameLedger:
+    """The frames of one stage's two boundaries (compute thread only, except the plain reads of the epochs).
+
+    Input side: boundary ``stage - 1`` (none on the head); output side: boundary ``stage`` (none on the tail).
+    """
+
+    def __init__(self, stage: Stage, v_mode: str = "mixed", moments=None):
+        self.stage, self.v_mode, self.moments = stage, v_mode, moments  # moments: parameter -> optimizer state
+        self.index, self.n_stages = stage.spec.index, stage.spec.n_stages
+        self.width = frame_width(stage)
+        self.epoch_in = 0
+        self.epoch_out = 0
+        self.r_in: dict[int, Tensor] = {}  # input rotations by epoch (applied or due): conversions between epochs
+        self.gains_in: dict[int, dict[str, Tensor]] = {}  # gains each applied input rotation folded
+        self.due: dict[tuple[int, int], Rotation] = {}  # (boundary, epoch) -> accepted, not applied yet
+        self.applied = 0
+        self.late = 0  # rotations applied after their step had passed (the replica is then repaired by a download)
+        enable_frames(stage, moments=moments)
+
+    # ------------------------------------------------------------------ which boundaries are ours
+    def sides(self) -> list[int]:
+        """The boundaries this stage sits on."""
+        return [b for b in (self.index - 1, self.index) if 0 <= b < self.n_stages - 1]
+
+    def epoch_of(self, boundary: int) -> int:
+        return self.epoch_in if boundary == self.index - 1 else self.epoch_out
+
+    # ------------------------------------------------------------------ accepting rotations
+    def accept(self, rot: Rotation) -> str:
+        """``applied``: we are at or past its epoch; ``accepted``: it is due here now (a conflicting rotation of the
+        same epoch drawn by a higher peer id is replaced); ``early``: an epoch beyond the next (later)."""
+        if rot.boundary not in self.sides():
+            raise ValueError(f"stage {self.index} is not on boundary {rot.boundary}")
+        if tuple(rot.r.shape) != (self.width, self.width):
+            raise ValueError(f"a rotation here is {self.width} x {self.width}, got {tuple(rot.r.shape)}")
+        now = self.epoch_of(rot.boundary)
+        if rot.epoch <= now:
+            return "applied"
+        if rot.epoch > now + 1:
+            return "early"
+        key = (rot.boundary, rot.epoch)
+        held = self.due.get(key)
+        if held is None or rot.drawer < held.drawer:
+            r = reorthogonalize(rot.r)
+            self.due[key] = Rotation(rot.boundary, rot.epoch, int(rot.apply_step), r, rot.drawer)
+            if rot.boundary == self.index - 1:
+                self.r_in[rot.epoch] = r
+        return "accepted"
+
+    def pending(self) -> list[Rotation]:
+        return sorted(self.due.values(), key=lambda r: (r.boundary, r.epoch))
+
+    # ------------------------------------------------------------------ applying them (after an optimizer step)
+    def apply_due(self, step: int, moments, grads: dict[str, Optional[Tensor]]) -> dict[str, Optional[Tensor]]:
+        """Apply every due rotation whose step has come (``step``: the step just taken); ``grads``: the gradients
+        accumulated toward the next step (by parameter name), returned in the new frame. Returns ``grads`` as is
+        when nothing was due."""
+        for key in sorted(self.due, key=lambda k: k[1]):
+            rot = self.due[key]
+            if rot.apply_step > step or rot.epoch != self.epoch_of(rot.boundary) + 1:
+                continue
+            del self.due[key]
+            if rot.apply_step < step:
+                self.late += 1
+                logger.warning(f"stage {self.index}: rotation {rot.epoch} of boundary {rot.boundary} was due after "
+                               f"step {rot.apply_step}, applied after {step}")
+            if rot.boundary == self.index:
+                rotate_output(self.stage, rot.r)
+                self.epoch_out = rot.epoch
+            else:
+                gains = current_gains(self.stage)
+                grads = input_gradients(self.stage, grads, rot.r, gains)
+                rotate_input(self.stage, rot.r, moments, self.v_mode)
+                self.epoch_in = rot.epoch
+                self.r_in[rot.epoch], self.gains_in[rot.epoch] = rot.r, gains
+            self.applied += 1
+        for table in (self.r_in, self.gains_in):
+            for e in [e for e in table if e < self.epoch_in - HISTORY]:
+                del table[e]
+        return grads
+
+    # ------------------------------------------------------------------ messages and gradients of other epochs
+    def conversion(self, sender_epoch: Optional[int]) -> Optional[Tensor]:
+        """C (float64) with c_ours = c_sender C for coordinates a sender wrote in its frame epoch of our input
+        boundary (None: the same frame). A gradient goes back as g_sender = g_ours C^T. Raises ``RpcError``
+        (``frame_unknown``, retryable) when the rotations between the two epochs are not known here."""
+        if sender_epoch is None or self.index == 0:
+            return None
+        if isinstance(sender_epoch, bool) or not isinstance(sender_epoch, int) or sender_epoch < 0:
+            raise RpcError("bad_request", "'frame' must be a non-negative integer")
+        ours = self.epoch_in
+        if sender_epoch == ours:
+            return None
+        lo, hi = sorted((sender_epoch, ours))
+        c = torch.eye(self.width, dtype=torch.float64)
+        for e in range(lo + 1, hi + 1):
+            r = self.r_in.get(e)
+            if r is None:
+                raise RpcError("frame_unknown", f"boundary {self.index - 1}: no rotation to frame {e} here (sender "
+                                                f"at {sender_epoch}, this replica at {ours}); another replica or later")
+            c = c @ r
+        return c if sender_epoch < ours else c.T
+
+    def stale_gradients(self, grads: dict[str, Optional[Tensor]], epoch: int,
+                        weights: dict[str, Tensor]) -> dict[str, Optional[Tensor]]:
+        """Gradients of a backward that ran on ``weights`` (a snapshot) of input epoch ``epoch``, moved to the
+        current frame (``frames.input_gradients``)."""
+        for e in range(epoch + 1, self.epoch_in + 1):
+            if e not in self.r_in or e not in self.gains_in:
+                raise RpcError("frame_unknown", f"a microbatch of frame {epoch} outlived {HISTORY} rotations")
+            if e > epoch + 1:  # its weights in the frame the next rotation started from
+                weights = input_weights(self.stage, weights, self.r_in[e - 1], self.gains_in[e - 1])
+            grads = input_gradients(self.stage, grads, self.r_in[e], self.gains_in[e], weights)
+        return grads
+
+    # ------------------------------------------------------------------ state
+    def export(self) -> Tensor:
+        return torch.tensor([self.epoch_in, self.epoch_out], dtype=torch.int64)
+
+    def restore(self, epochs: Optional[Tensor]) -> None:
+        """After a state import: the epochs it was saved at (a state without them: epoch 0). Rotations of epochs
+        the state already holds are dropped; the history of older frames no longer applies to these weights."""
+        if epochs is None:
+            e_in, e_out = 0, 0
+        else:
+            if epochs.numel() != 2 or bool((epochs < 0).any()):
+                raise ValueError(f"{FRAME_EPOCHS} must be two non-negative integers")
+            e_in, e_out = (int(x) for x in epochs.reshape(-1).tolist())
+        if self.stage.boundary_map is None and not self.stage.spec.is_tail:
+            # A state saved without frames: the identity map. Its gains are folded by the next rotation (folding
+            # here would make these weights differ from the replicas' that imported the same state earlier).
+            self.stage.boundary_map = torch.eye(self.width, dtype=torch.float64, device=self.stage.rope_cos.device)
+        self.epoch_in, self.epoch_out = e_in, e_out
+        self.gains_in.clear()
+        self.r_in = {e: r for e, r in self.r_in.items() if e > e_in}
+        self.due = {k: r for k, r in self.due.items() if r.epoch > self.epoch_of(r.boundary)}
+
+    def summary(self) -> dict:
+        return {"epoch_in": self.epoch_in, "epoch_out": self.epoch_out, "applied": self.applied, "late": self.late,
+                "due": [[r.boundary, r.epoch, r.apply_step] for r in self.pending()]}
+
+
+@dataclass
+class RotationHooks:
+    """What the protocol needs from its node (explicit, so it never holds the node)."""
+
+    peer_id: str
+    p2p: Callable[[], Any]
+    dht: Any
+    run_io: Callable[..., Awaitable[Any]]
+    run_compute: Callable[..., Awaitable[Any]]
+    ledger: Callable[[], Optional[FrameLedger]]  # the served runtime's ledger
+    stage: Callable[[], int]
+    step: Callable[[], int]
+    is_serving: Callable[[], bool]
+    log_event: Callable[..., None]
+
+
+@dataclass
+class _Pushes:
+    acked: set[str] = field(default_factory=set)
+    last_sent: dict[str, float] = field(default_factory=dict)
+
+
+class Rotations:
+    """The rotation protocol of one node (event loop). See the module docstring."""
+
+    def __init__(self, manifest: Manifest, hooks: RotationHooks):
+        self.manifest, self.hooks = manifest, hooks
+        self.config = manifest.security.upm
+        self.drawn = 0
+        self.received = 0  # frame RPCs accepted (new or known)
+        self.refused = 0
+        self.sent = 0
+        self._pushes: dict[tuple[int, int], _Pushes] = {}
+        self._last_drawn: dict[int, float] = {}  # boundary -> monotonic time we drew (or saw) its last rotation
+        self._records: dict[int, tuple[float, list[StageRecord]]] = {}
+
+    # ------------------------------------------------------------------ the RPC
+    async def offer(self, meta: dict, tensors: list[Tensor], caller) -> tuple[dict, list]:
+        """A rotation from a replica of stage b or b+1 (b = ``meta["boundary"]``): accepted if this node serves one
+        of those stages and the sender is a replica of one of them in the DHT."""
+        m, h = self.manifest, self.hooks
+        if meta.get("run_id") != m.run_id or meta.get("manifest_hash") != m.hash:
+            raise RpcError("manifest_mismatch", "a rotation for another run or manifest")
+        boundary, epoch, apply_step, drawer = (meta.get(k) for k in ("boundary", "epoch", "apply_step", "drawer"))
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (boundary, epoch, apply_step)) \
+                or not isinstance(drawer, str) or not 0 < len(drawer) <= 128:
+            raise RpcError("bad_request", "a rotation names boundary, epoch, apply_step (integers) and its drawer")
+        ledger = h.ledger()
+        if ledger is None or boundary not in ledger.sides():
+            raise RpcError("wrong_stage", f"stage {h.stage()} is not on boundary {boundary}")
+        if len(tensors) != 1 or tensors[0].dtype != torch.float64 or tensors[0].dim() != 2:
+            raise RpcError("bad_request", "a rotation carries one float64 matrix")
+        r = tensors[0]
+        n = ledger.width
+        if tuple(r.shape) != (n, n) or not bool(torch.isfinite(r).all()) or \
+                float((r.T @ r - torch.eye(n, dtype=torch.float64)).abs().max()) > 1e-6:
+            self.refused += 1
+            raise RpcError("bad_request", f"a rotation here is an orthogonal {n} x {n} float64 matrix")
+        sender = str(caller)
+        sides = {r_.peer_id for s in (boundary, boundary + 1) for r_ in await self._replicas(s)}
+        if sender not in sides:
+            self.refused += 1
+            raise RpcError("unauthorized", f"only replicas of stages {boundary} and {boundary + 1} send its rotations")
+        verdict = await h.run_compute(ledger.accept, Rotation(boundary, epoch, apply_step, r, drawer))
+        if verdict == "early":
+            raise RpcError("not_ready", f"boundary {boundary} is at frame {ledger.epoch_of(boundary)} here")
+        self.received += 1
+        if verdict == "accepted":
+            self._last_drawn[boundary] = time.monotonic()
+            self._pushes.setdefault((boundary, epoch), _Pushes()).acked.add(sender)
+        return {"verdict": verdict}, []
+
+    # ------------------------------------------------------------------ drawing and pushing
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # a DHT hiccup or a peer gone: the next tick tries again
+                logger.warning(f"rotation tick failed: {err!r}")
+
+    async def tick(self) -> None:
+        h = self.hooks
+        ledger = h.ledger()
+        if ledger is None or not h.is_serving():
+            return
+        for rot in ledger.pending():
+            await self._push(rot)
+        stage = h.stage()
+        if stage in ledger.sides():  # stage b draws for boundary b (its output)
+            await self._maybe_draw(ledger, stage)
+
+    async def _maybe_draw(self, ledger: FrameLedger, boundary: int) -> None:
+        h = self.hooks
+        if any(r.boundary == boundary for r in ledger.pending()):
+            return
+        since = time.monotonic() - self._last_drawn.setdefault(boundary, time.monotonic())
+        if since < self.config.every_s:
+            return
+        mine = await self._replicas(boundary, fresh=True)
+        serving = sorted({r.peer_id for r in mine if r.state == PeerState.SERVING.value} | {h.peer_id})
+        if serving[0] != h.peer_id:
+            return  # the lowest serving peer id draws; the others wait for its rotation
+        both = mine + await self._replicas(boundary + 1, fresh=True)
+        step = max([h.step(), *(r.step for r in both)])
+        gen = torch.Generator().manual_seed(secrets.randbits(63))
+        rot = Rotation(boundary, ledger.epoch_of(boundary) + 1, step + self.config.lead_steps,
+                       haar_orthogonal(ledger.width, gen), h.peer_id)
+        if await h.run_compute(ledger.accept, rot) != "accepted":
+            return
+        self.drawn += 1
+        self._last_drawn[boundary] = time.monotonic()
+        h.log_event("rotation_drawn", boundary=boundary, epoch=rot.epoch, apply_step=rot.apply_step)
+        logger.info(f"stage {boundary}: drew frame {rot.epoch} of boundary {boundary}, applied after step "
+                    f"{rot.apply_step}")
+        await self._push(rot)
+
+    async def _push(self, rot: Rotation) -> None:
+        """Send ``rot`` to every replica of stages b and b+1 that has not acknowledged it (at most every
+        ``PUSH_EVERY_S`` per peer)."""
+        h, m = self.hooks, self.manifest
+        state = self._pushes.setdefault((rot.boundary, rot.epoch), _Pushes())
+        for key in [k for k in self._pushes if k[0] == rot.boundary and k[1] < rot.epoch]:
+            del self._pushes[key]
+        now = time.monotonic()
+        targets = [r.peer_id for s in (rot.boundary, rot.boundary + 1) for r in await self._replicas(s)
+                   if r.peer_id != h.peer_id and r.state in (PeerState.SERVING.value, PeerState.SYNCING.value)]
+        targets = [p for p in targets if p not in state.acked and now - state.last_sent.get(p, 0.0) >= PUSH_EVERY_S]
+        if not targets:
+            return
+        meta = {"run_id": m.run_id, "manifest_hash": m.hash, "boundary": rot.boundary, "epoch": rot.epoch,
+                "apply_step": rot.apply_step, "drawer": rot.drawer}
+
+        async def send(peer: str) -> None:
+            state.last_sent[peer] = time.monotonic()
+            try:
+                reply, _ = await transport.call(h.p2p(), peer, m.run_id, FRAME, meta, [rot.r], CALL_TIMEOUT_S)
+            except RpcError as err:
+                if err.code == "wrong_stage":
+                    state.acked.add(peer)  # it moved away: nothing to send it
+                logger.debug(f"rotation {rot.epoch} to {peer[-8:]}: {err.code}")
+                return
+            except Exception as err:
+                logger.debug(f"rotation {rot.epoch} to {peer[-8:]}: {err!r}")
+                return
+            self.sent += 1
+            if isinstance(reply, dict) and reply.get("verdict") in ("accepted", "applied"):
+                state.acked.add(peer)
+
+        await asyncio.gather(*(send(p) for p in targets))
+
+    async def _replicas(self, stage: int, fresh: bool = False) -> list[StageRecord]:
+        """The stage's records (read at most once a second unless ``fresh``)."""
+        if not 0 <= stage < self.manifest.n_stages:
+            return []
+        at, recs = self._records.get(stage, (-math.inf, []))
+        if fresh or time.monotonic() - at > 1.0:
+            m = self.manifest
+            recs = await self.hooks.run_io(read_stage, self.hooks.dht, m.run_id, stage, m.hash)
+            self._records[stage] = (time.monotonic(), recs)
+        return recs
+
+    def summary(self) -> dict:
+        ledger = self.hooks.ledger()
+        return {"drawn": self.drawn, "received": self.received, "refused": self.refused, "sent": self.sent,
+                **(ledger.summary() if ledger is not None else {})}
