@@ -148,7 +148,8 @@ class StageNode:
         self.rotations = Rotations(manifest, RotationHooks(
             peer_id=self.peer_id, p2p=lambda: self._p2p, dht=dht, run_io=self.run_io, run_compute=self.run_compute,
             ledger=lambda: self.runtime.frames, stage=lambda: self.stage_index, step=lambda: self.runtime.step,
-            is_serving=lambda: self.state == PeerState.SERVING, log_event=self.log_event,
+            is_serving=lambda: self.state == PeerState.SERVING, is_stopping=lambda: self.stopping,
+            log_event=self.log_event,
         )) if manifest.security.upm is not None else None
         self.downstream: Optional[Downstream] = None  # built with the P2P, in start()
         self.maddrs: list[str] = []  # where others can dial this peer (announced: any live peer is a way in)

@@ -94,7 +94,10 @@ class FrameLedger:
         key = (rot.boundary, rot.epoch)
         held = self.due.get(key)
         if held is None or rot.drawer < held.drawer:
-            r = reorthogonalize(rot.r)
+            # Kept bit for bit when orthogonal to rounding (what a drawer sends): every replica, whether it got R
+            # from the drawer or from a relay, then applies exactly the same matrix.
+            drift = float((rot.r.T @ rot.r - torch.eye(self.width, dtype=torch.float64)).abs().max())
+            r = rot.r.clone() if drift <= 1e-12 else reorthogonalize(rot.r)
             self.due[key] = Rotation(rot.boundary, rot.epoch, int(rot.apply_step), r, rot.drawer)
             if rot.boundary == self.index - 1:
                 self.r_in[rot.epoch] = r
@@ -108,7 +111,9 @@ class FrameLedger:
         """Apply every due rotation whose step has come (``step``: the step just taken); ``grads``: the gradients
         accumulated toward the next step (by parameter name), returned in the new frame. Returns ``grads`` as is
         when nothing was due."""
-        for key in sorted(self.due, key=lambda k: k[1]):
+        # One order on every replica: the two boundaries' updates of the map commute only up to rounding, and
+        # replicas must end bit-identical.
+        for key in sorted(self.due):
             rot = self.due[key]
             if rot.apply_step > step or rot.epoch != self.epoch_of(rot.boundary) + 1:
                 continue
@@ -206,6 +211,7 @@ class RotationHooks:
     stage: Callable[[], int]
     step: Callable[[], int]
     is_serving: Callable[[], bool]
+    is_stopping: Callable[[], bool]
     log_event: Callable[..., None]
 
 
@@ -223,6 +229,7 @@ class Rotations:
         self.config = manifest.security.upm
         self.drawn = 0
         self.received = 0  # frame RPCs accepted (new or known)
+        self.received_by_boundary: dict[int, int] = {}
         self.refused = 0
         self.sent = 0
         self._pushes: dict[tuple[int, int], _Pushes] = {}
@@ -240,6 +247,8 @@ class Rotations:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (boundary, epoch, apply_step)) \
                 or not isinstance(drawer, str) or not 0 < len(drawer) <= 128:
             raise RpcError("bad_request", "a rotation names boundary, epoch, apply_step (integers) and its drawer")
+        if h.is_stopping():
+            raise RpcError("leaving", "this peer is leaving the run")
         ledger = h.ledger()
         if ledger is None or boundary not in ledger.sides():
             raise RpcError("wrong_stage", f"stage {h.stage()} is not on boundary {boundary}")
@@ -260,6 +269,7 @@ class Rotations:
         if verdict == "early":
             raise RpcError("not_ready", f"boundary {boundary} is at frame {ledger.epoch_of(boundary)} here")
         self.received += 1
+        self.received_by_boundary[boundary] = self.received_by_boundary.get(boundary, 0) + 1
         if verdict == "accepted":
             self._last_drawn[boundary] = time.monotonic()
             self._pushes.setdefault((boundary, epoch), _Pushes()).acked.add(sender)
@@ -333,7 +343,7 @@ class Rotations:
             try:
                 reply, _ = await transport.call(h.p2p(), peer, m.run_id, FRAME, meta, [rot.r], CALL_TIMEOUT_S)
             except RpcError as err:
-                if err.code == "wrong_stage":
+                if err.code in ("wrong_stage", "leaving"):
                     state.acked.add(peer)  # it moved away: nothing to send it
                 logger.debug(f"rotation {rot.epoch} to {peer[-8:]}: {err.code}")
                 return

@@ -1,0 +1,166 @@
+"""UPM in a live swarm (server/upm.py): 3 stages x 2 replicas rotate both boundaries several times while training,
+learn what the same swarm without rotations learns, never put a rotation in the DHT or send it to a stage off its
+boundary, and a replica joining after the rotations syncs into the current frames."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+
+import torch
+
+from agora.client.trainer import Trainer
+from agora.config import load_manifest
+from agora.net.dht import make_dht
+from agora.server.node import NodeOptions, StageNode
+from swarm_util import local_swarm, random_batches, wait_until
+
+WAVES = 8
+
+
+def _manifest(upm: bool):
+    m = load_manifest("tiny").with_overrides(stages=[1, 1, 2], **{"optimizer.total_steps": 40})
+    return m.with_overrides(**{"security.upm": {"every_s": 1.0, "lead_steps": 1}}) if upm else m
+
+
+async def _stored_values(_dht, node) -> list[bytes]:
+    """Every value this DHT peer stores or caches, serialized (runs inside the DHT process)."""
+    out = []
+    for storage in (node.protocol.storage, node.protocol.cache):
+        for key, item in storage.items():
+            out.append(pickle.dumps((key, item)))
+    return out
+
+
+async def _train(man, join_after: bool = False):
+    opts = NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0)
+    async with local_swarm(man, [0, 0, 1, 1, 2, 2], opts) as (boot, peers, nodes):
+        trainer = Trainer(man, boot, shard=None)
+        await trainer.start()
+        try:
+            await wait_until(lambda: all(len(trainer.swarm[s]) == 2 for s in range(3)), 30, "all peers")
+            data = random_batches(man.model.vocab_size, man.model.seq_len, 4, 4, 0)
+            held_out = data[:2]  # random tokens: only what was trained on can get better
+            before = await trainer.evaluate(held_out)
+            for wave in range(WAVES):
+                sent = await asyncio.gather(*(trainer.send(b) for b in data))
+                assert all(x is not None for x in sent), sent
+                await wait_until(lambda: all(n.step >= wave + 1 and n.runtime.samples == 0 and not n.sync.stepping
+                                             for n in nodes), 40, f"wave {wave} stepped")
+                if man.security.upm is not None:
+                    await asyncio.sleep(0.6)  # room for the next rotation to be drawn and pushed
+            after = await trainer.evaluate(held_out)
+            result = {"before": before, "after": after, "nodes": nodes}
+            if man.security.upm is None:
+                return result
+            result["dht"] = [v for d in [boot, *(n.dht for n in nodes)] for v in d.run_coroutine(_stored_values)]
+            if join_after:
+                result["joiner"] = await _join_and_train(man, peers, nodes, trainer, data)
+            return result
+        finally:
+            trainer.close()
+
+
+async def _join_and_train(man, peers, nodes, trainer, data):
+    """A third replica of stage 1 joins after the rotations: it downloads the state in the current frames, and after
+    a wave through it its parameters equal the replicas'. Then the replica that draws boundary 1's rotations leaves
+    right after drawing one (before it is applied): two more waves, and every survivor is in one frame again."""
+    dht = make_dht(peers, manifest=man)
+    joiner = StageNode(man, 1, dht, NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0))
+    left = None
+    try:
+        await joiner.start()
+        stage1 = [n for n in nodes if n.stage_index == 1]
+        epochs = (joiner.runtime.frames.epoch_in, joiner.runtime.frames.epoch_out)
+        same = epochs == (stage1[0].runtime.frames.epoch_in, stage1[0].runtime.frames.epoch_out) and \
+            joiner.sync.fingerprint == stage1[0].sync.fingerprint
+        await _wave(trainer, data, [joiner, *stage1])
+        result = {"epochs": epochs, "same_state": same,
+                  "same_after_a_step": all(n.sync.fingerprint == joiner.sync.fingerprint for n in stage1)}
+        # The drawer of boundary 1 (the lowest serving peer id of stage 1) leaves with a rotation on its way.
+        replicas = [joiner, *stage1]
+        drawer = min(replicas, key=lambda n: n.peer_id)
+        await wait_until(lambda: any(r.boundary == 1 for r in drawer.runtime.frames.pending()), 20, "a new draw")
+        left = drawer
+        await drawer.stop()
+        survivors = [n for n in replicas if n is not drawer]
+        drawn_before = sum(n.rotations.drawn for n in survivors)
+        for _ in range(2):
+            await _wave(trainer, data, survivors)
+            await asyncio.sleep(1.5)
+        tail = [n for n in nodes if n.stage_index == 2]
+        result["left"] = drawer.peer_id
+        result["after_leave"] = {
+            "same": len({n.sync.fingerprint for n in survivors}) == 1,
+            "frames": {(n.runtime.frames.epoch_in, n.runtime.frames.epoch_out) for n in survivors},
+            "tail_in": {n.runtime.frames.epoch_in for n in tail},
+            "drawn_by_survivors": sum(n.rotations.drawn for n in survivors) - drawn_before,
+        }
+        return result
+    finally:
+        if left is not joiner:
+            await joiner.stop()
+        dht.shutdown()
+
+
+async def _wave(trainer, data, replicas):
+    step = max(n.step for n in replicas)
+    sent = await asyncio.gather(*(trainer.send(b) for b in data))
+    assert all(x is not None for x in sent), sent
+    await wait_until(lambda: all(n.step >= step + 1 and n.sync.fingerprint_valid and not n.sync.stepping
+                                 for n in replicas), 40, "a wave's step")
+
+
+def _float_bytes(r: torch.Tensor) -> list[bytes]:
+    """How a rotation's entries would look in any stored value: float64 either endianness, float32."""
+    values = [float(r[0, 0]), float(r[1, 1]), float(r[0, 1])]
+    return [struct.pack(f, v) for v in values for f in ("<d", ">d", "<f", ">f")]
+
+
+def test_a_rotating_swarm_learns_what_a_plain_one_does_and_keeps_rotations_off_the_dht():
+    plain = asyncio.run(_train(_manifest(False)))
+    rot = asyncio.run(_train(_manifest(True), join_after=True))
+    nodes = rot["nodes"]
+    # (the replica that left in the joiner's phase is out of the run)
+    gone = rot["joiner"]["left"]
+    by_stage = {s: [n for n in nodes if n.stage_index == s and n.peer_id != gone] for s in range(3)}
+    # Both boundaries rotated several times, and every replica on a boundary is in the same frame.
+    out0 = {n.runtime.frames.epoch_out for n in by_stage[0]}
+    in1 = {n.runtime.frames.epoch_in for n in by_stage[1]}
+    out1 = {n.runtime.frames.epoch_out for n in by_stage[1]}
+    in2 = {n.runtime.frames.epoch_in for n in by_stage[2]}
+    assert out0 == in1 and len(out0) == 1 and min(out0) >= 2, (out0, in1)
+    assert out1 == in2 and len(out1) == 1 and min(out1) >= 2, (out1, in2)
+    assert all(n.runtime.frames.late == 0 for n in nodes), [n.rotations.summary() for n in nodes]
+    assert sorted(len(reps) for reps in by_stage.values()) == [1 if gone in {n.peer_id for n in nodes} else 2, 2, 2]
+    # Replicas of a stage kept averaging in one frame: bit-identical parameters.
+    for s, reps in by_stage.items():
+        for (name, a), b in zip(reps[0].stage.named_parameters(), reps[-1].stage.parameters()):
+            assert torch.equal(a, b), f"stage {s}: {name} differs between replicas"
+    # Learning: the same drop in loss as without rotations, within noise.
+    assert rot["after"] < rot["before"] - 0.05 and plain["after"] < plain["before"] - 0.05, (rot, plain)
+    assert abs(rot["after"] - plain["after"]) / plain["after"] < 0.02, (rot["after"], plain["after"])
+    # A rotation goes to the replicas of its two stages only, and never into the DHT.
+    for n in by_stage[0]:
+        assert n.rotations.received_by_boundary.get(1, 0) == 0
+    for n in by_stage[2]:
+        assert n.rotations.received_by_boundary.get(0, 0) == 0
+    assert sum(n.rotations.received_by_boundary.get(0, 0) for n in by_stage[1]) > 0
+    rotations = [r for n in by_stage[1] + by_stage[2] for r in n.runtime.frames.r_in.values()]
+    assert rotations
+    stored = rot["dht"]
+    assert stored
+    for r in rotations:
+        for pattern in _float_bytes(r):
+            assert not any(pattern in value for value in stored), "a rotation's entries are in the DHT"
+    # A replica joining after the rotations gets the current frames and trains with the others.
+    joiner = rot["joiner"]
+    assert joiner["same_state"], joiner
+    assert joiner["epochs"][0] >= 2
+    assert joiner["same_after_a_step"], joiner
+    # The drawer left mid-rotation: the survivors agree, the next stage is in their frame, and one of them draws.
+    after = joiner["after_leave"]
+    assert after["same"] and len(after["frames"]) == 1, after
+    assert {e_out for _, e_out in after["frames"]} == after["tail_in"], after
+    assert after["drawn_by_survivors"] >= 1, after
