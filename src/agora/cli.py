@@ -267,12 +267,13 @@ def bench_convergence(
     in_flight: int = typer.Option(4, min=2, help="microbatches in flight in the pipelined rows"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; every row runs once per seed"),
     rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, overlap, in_flight, replicas, "
-                                                  "powersgd, sparse, diloco, gossip, all, all_no_overlap, all_capped "
-                                                  "(default: all that apply)"),
+                                                  "powersgd, sparse, diloco, gossip, all, all_no_overlap, all_capped, "
+                                                  "upm, upm_5s (default: all that apply)"),
     link_mbps: Optional[float] = typer.Option(None, help="add the all_capped row: every link capped at this rate"),
     val_batches: int = typer.Option(4, min=1),
     diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round, the "
                                                     "sparse row's steps between rounds"),
+    upm_every_s: float = typer.Option(30.0, min=1.0, help="the upm row's seconds between rotations of a boundary"),
 ) -> None:
     """Validation loss at equal tokens: centralized against the swarm, each source of difference alone (rounds
     overlapping compute, microbatches in flight, replicas, averaging scheme, link caps) and all together; ratio and
@@ -284,7 +285,7 @@ def bench_convergence(
         row_list = _listed(rows) if rows else None
         opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches,
-                                  diloco_every=diloco_every)
+                                  diloco_every=diloco_every, upm_every_s=upm_every_s)
         opts.row_shapes()  # fail on a bad row name before anything runs
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
@@ -412,10 +413,20 @@ def bench_upm(
     training_steps: int = typer.Option(40, min=1, help="optimizer steps of small per training row"),
     rotate_every: int = typer.Option(2, min=1, help="steps between rotations of every boundary while training"),
     training_seeds: str = typer.Option("0,1,2", help="comma-separated seeds of the training rows"),
+    recovery_preset: str = typer.Option("small", help="recovery: the preset trained --train-steps, then stitched"),
+    recovery_seeds: str = typer.Option("0", help="recovery: comma-separated seeds (median reported)"),
+    recovery_gaps: str = typer.Option("0,1,100", help="recovery: rotations between the captures (0: control)"),
+    recovery_stage: Optional[int] = typer.Option(None, min=0, help="recovery: the stage captured before the gap "
+                                                                   "(default: the middle one)"),
+    recovery_max_steps: int = typer.Option(60, min=1, help="recovery: fine-tuning steps before 'not reached'"),
+    recovery_eval_every: int = typer.Option(5, min=1, help="recovery: steps between validation losses"),
+    recovery_tolerance: float = typer.Option(1e-3, min=0.0, help="recovery: nats above the original's loss "
+                                                                 "that count as reached"),
 ) -> None:
     """UPM frames: function preservation under compounded boundary rotations (fp32, fp64), stitching of shards
-    captured at different times against unrelated random weights, and training through rotations with each
-    treatment of Adam's second moment, at equal tokens."""
+    captured at different times against unrelated random weights, training through rotations with each
+    treatment of Adam's second moment, at equal tokens, and (section `recovery`, not run by default) the tokens
+    a stitched model needs to regain the original's validation loss, against training from scratch."""
     from agora.bench.upm import UpmBenchOptions, markdown, run_upm_bench
 
     checkpoints = sorted({c for c in (1, 10, 100, 1000, 10_000) if c < transforms} | {transforms})
@@ -424,7 +435,11 @@ def bench_upm(
             out=out, transforms=transforms, train_steps=train_steps, model=model, real_transforms=real_transforms,
             real_stages=real_stages, seed=seed, checkpoints=checkpoints,
             sections=_listed(sections), training_steps=training_steps,
-            rotate_every=rotate_every, training_seeds=_listed(training_seeds, int))
+            rotate_every=rotate_every, training_seeds=_listed(training_seeds, int),
+            recovery_preset=recovery_preset, recovery_seeds=_listed(recovery_seeds, int),
+            recovery_gaps=_listed(recovery_gaps, int), recovery_stage=recovery_stage,
+            recovery_max_steps=recovery_max_steps, recovery_eval_every=recovery_eval_every,
+            recovery_tolerance=recovery_tolerance)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)

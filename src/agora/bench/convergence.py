@@ -16,6 +16,7 @@ rows add one source of difference at a time to ``serial``, then all together:
   all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run)
   all_no_overlap  ``all`` with overlap off
   all_capped      ``all`` with every peer's link capped at ``link_mbps`` (only with ``link_mbps``)
+  upm, upm_5s     ``replicas`` with UPM: every boundary's frame rotated every ``upm_every_s`` (30 s), or every 5 s
 
 Reported per row: the validation loss ratio to the same seed's centralized run (median and min-max over seeds), the
 steps each stage took (a centralized run takes ``steps``), and the training-loss curves against tokens (plot).
@@ -34,7 +35,8 @@ from agora.lab.demo import DemoOptions, LinkOptions, StopRule, SwarmShape, demo_
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
-ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "sparse", "diloco", "gossip", "all", "all_no_overlap", "all_capped")
+ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "sparse", "diloco", "gossip", "all", "all_no_overlap",
+        "all_capped", "upm", "upm_5s")
 # The issue's targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
 TARGETS = {"serial": 1.001, "all": 1.02, "all_no_overlap": 1.02, "powersgd": 1.03, "sparse": 1.03}
 SWARM_TIMEOUT_S = 7200
@@ -56,14 +58,16 @@ class ConvergenceOptions:
     link_mbps: Optional[float] = None
     val_batches: int = 4
     diloco_every: int = 4  # DiLoCo's inner steps per outer round in the ``diloco`` row, steps between ``sparse`` rounds
+    upm_every_s: float = 30.0  # seconds between rotations of a boundary in the ``upm`` row
 
     def row_shapes(self) -> dict[str, dict]:
         """Each row's swarm: replicas, microbatches in flight, averaging spec (None: the preset's), link cap."""
         r, f = self.replicas, self.in_flight
 
         def row(replicas: int, in_flight: int, overlap: Optional[bool], averaging: Optional[str] = None,
-                mbps: Optional[float] = None) -> dict:
-            return dict(replicas=replicas, in_flight=in_flight, overlap=overlap, averaging=averaging, mbps=mbps)
+                mbps: Optional[float] = None, upm: Optional[float] = None) -> dict:
+            return dict(replicas=replicas, in_flight=in_flight, overlap=overlap, averaging=averaging, mbps=mbps,
+                        upm_every_s=upm)
 
         shapes = {
             "serial": row(1, 1, False),
@@ -77,6 +81,8 @@ class ConvergenceOptions:
             "gossip": row(r, 1, False, f"gossip,every={self.diloco_every},q=1"),
             "all": row(r, f, None),
             "all_no_overlap": row(r, f, False),
+            "upm": row(r, 1, False, upm=self.upm_every_s),
+            "upm_5s": row(r, 1, False, upm=5.0),
         }
         if self.link_mbps is not None:
             shapes["all_capped"] = row(r, f, None, mbps=self.link_mbps)
@@ -121,8 +127,9 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
 def _describe(shape: dict) -> str:
     overlap = {None: "preset's overlap", True: "overlap", False: "no overlap"}[shape["overlap"]]
     link = f", links {shape['mbps']:g} Mbit/s" if shape["mbps"] else ""
+    upm = f", UPM rotations every {shape['upm_every_s']:g} s" if shape.get("upm_every_s") else ""
     return (f"{shape['replicas']} replicas, {shape['in_flight']} in flight, {overlap}, "
-            f"{shape['averaging'] or 'preset'} averaging{link}")
+            f"{shape['averaging'] or 'preset'} averaging{link}{upm}")
 
 
 def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, shape: dict, central: dict) -> dict:
@@ -130,7 +137,7 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
         out=folder,
         shape=SwarmShape(preset=opts.preset, stages=opts.stages, replicas=shape["replicas"],
                          in_flight=shape["in_flight"], averaging=shape["averaging"], val_batches=opts.val_batches,
-                         seed=seed, overlap_rounds=shape["overlap"]),
+                         seed=seed, overlap_rounds=shape["overlap"], upm_every_s=shape.get("upm_every_s")),
         stop=StopRule(steps=opts.steps, tokens=central["tokens"], exact_tokens=True, timeout=SWARM_TIMEOUT_S),
         link=LinkOptions(mbps=shape["mbps"]) if shape["mbps"] else LinkOptions(),
         live=False, sample_tokens=0))
@@ -146,6 +153,10 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
             "steps_per_stage": s["steps_per_stage"], "settled": s["settled"], "wall_s": s["wall_s"],
             "rounds_ok": s["rounds_ok"], "rounds_failed": s["rounds_failed"],
             "share_redirects": sum(int(n.get("share_redirects") or 0) for n in nodes),
+            # UPM rows: rotations applied on the first boundary (the head's output frame epoch, max over replicas)
+            "rotations": max([int((n.get("upm") or {}).get("epoch_out") or 0) for n in nodes
+                              if n.get("stage") == 0] or [0]),
+            "tokens_per_s": s["tokens"] / s["wall_s"] if s.get("wall_s") else None,
             "curve": [[p["tokens"], p["loss"]] for p in s["loss_curve"]]}
 
 
@@ -166,6 +177,10 @@ def summarize_rows(runs: list[dict], steps: int) -> dict[str, dict]:
             "equal_steps": all(set(r["steps_per_stage"].values()) == {steps} for r in mine),
             "target": target,
             "met": None if target is None else statistics.median(ratios) <= target,
+            # swarm rows: training tokens over the swarm's wall time, and (UPM rows) rotations of boundary 0
+            "tokens_per_s": _spread([r["tokens_per_s"] for r in mine]) if all(r.get("tokens_per_s") for r in mine)
+            else None,
+            "rotations": [r.get("rotations", 0) for r in mine],
         }
     return rows
 
@@ -188,10 +203,13 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
         return f"{v['median']:{spec}} ({v['min']:{spec}}-{v['max']:{spec}})"
 
     table = markdown_table(
-        ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage"],
+        ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage", "tokens/s",
+         "rotations"],
         [[name, len(r["seeds"]), fmt(r["val_loss"], ".4f"), fmt(r["loss_ratio"], ".4f"),
           "" if r["target"] is None else f"<= {r['target']:g}", "" if r["met"] is None else ("yes" if r["met"] else "NO"),
-          f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"]]
+          f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"],
+          fmt(r["tokens_per_s"], ".0f") if r.get("tokens_per_s") else "",
+          ",".join(str(x) for x in r.get("rotations") or []) if any(r.get("rotations") or []) else ""]
          for name, r in rows.items()])
     return (f"`{opts.preset}`, {opts.stages} stages, {opts.steps} optimizer steps' tokens per arm, seeds "
             f"{list(opts.seeds)}; median (min-max) over seeds of the validation loss and of its ratio to the same "

@@ -5,14 +5,17 @@ trained here) in fp32 and fp64, and on a real pretrained model (dense, ``--model
 Jensen-Shannon drift (nats, mean and max over positions) and the validation perplexity change, against the model
 before any transform. (b) Stitching: a model assembled from a stage captured before 1 or 100 (real model: 1 or
 3) more rotations of every boundary and the other stages after them, against the same model with that stage
-replaced by unrelated random weights (the JS ratio). Recovery cost and the swarm's training overhead (issue #17
-items 5c, 5d) are not measured here yet.
+replaced by unrelated random weights (the JS ratio). (c) Recovery cost: such a stitched model of a trained
+preset fine-tuned on the bundled corpus until it reaches the original's validation loss, against the tokens the
+original itself needed from scratch. The swarm's training overhead (issue #17 item 5d) is not measured here yet.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +25,14 @@ import torch
 
 from agora.bench.common import markdown_table, write_result
 from agora.config import Manifest, even_split, load_manifest
-from agora.data import build_datasets, split_documents, load_documents, tokenize_documents
+from agora.data import TokenDataset, build_datasets, split_documents, load_documents, tokenize_documents
 from agora.frames import enable_frames, exact_basis, frame_width, haar_orthogonal, rotate_boundary
-from agora.model import Stage, build_stages
+from agora.model import PipelineModel, Stage, build_stages
 
 logger = logging.getLogger("agora.bench")
+
+SECTIONS = ("preservation", "stitching", "training", "recovery")
+RECOVERY_TARGET = 0.6  # issue #17: recovering a stitched model needs >= 60% of the tokens of training from scratch
 
 
 @dataclass
@@ -45,11 +51,26 @@ class UpmBenchOptions:
     rotate_every: int = 2  # optimizer steps between rotations of every boundary in the training rows
     training_modes: tuple[str, ...] = ("none", "mixed", "isotropic", "keep", "signed_perm")
     training_seeds: tuple[int, ...] = (0, 1, 2)
+    # Recovery (item 5c): the original is ``recovery_preset`` trained ``train_steps`` steps per seed.
+    recovery_preset: str = "small"
+    recovery_seeds: tuple[int, ...] = (0,)
+    recovery_gaps: tuple[int, ...] = (0, 1, 100)  # rotations of every boundary between the captures; 0: a control
+    recovery_stage: Optional[int] = None  # the stage captured before the gap (None: the middle one)
+    recovery_max_steps: int = 60  # fine-tuning steps before a run is reported as not reaching the target
+    recovery_eval_every: int = 5  # steps between validation losses, for the stitched and the scratch run alike
+    recovery_tolerance: float = 1e-3  # nats above the original's validation loss that count as reached
 
     def __post_init__(self) -> None:
-        unknown = set(self.sections) - {"preservation", "stitching", "training"}
+        unknown = set(self.sections) - set(SECTIONS)
         if unknown:
-            raise ValueError(f"unknown sections {sorted(unknown)}: choose from preservation, stitching, training")
+            raise ValueError(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
+        if "recovery" in self.sections:
+            if self.train_steps < 1:
+                raise ValueError("the recovery section needs a trained original: train_steps >= 1")
+            if not self.recovery_seeds or not self.recovery_gaps or min(self.recovery_gaps) < 0:
+                raise ValueError("recovery needs at least one seed and gaps >= 0")
+            if self.recovery_max_steps < 1 or self.recovery_eval_every < 1 or self.recovery_tolerance < 0:
+                raise ValueError("recovery needs max steps >= 1, eval every >= 1 and a tolerance >= 0")
 
 
 # --------------------------------------------------------------------------- measurements
@@ -184,16 +205,137 @@ def training_rows(m: Manifest, steps: int, every: int, modes: tuple[str, ...], s
     return out
 
 
+def _assembled(m: Manifest, stages: list[Stage]) -> PipelineModel:
+    """A whole model over the given stages (shared, not copied), for ``train_local``'s loss and evaluation."""
+    model = PipelineModel(m)
+    model.stages = torch.nn.ModuleList(stages)  # replaces the freshly drawn ones
+    return model
+
+
+def fine_tune_to(m: Manifest, stages: list[Stage], train: TokenDataset, val_set: list[torch.Tensor], target: float,
+                 max_steps: int, eval_every: int) -> dict:
+    """Fine-tune ``stages`` (changed in place) with ``m``'s optimizer, schedule from step 0 and training stream,
+    the steps of ``train_model``, until the validation loss is <= ``target``: evaluated before the first step and
+    after every ``eval_every``-th, at most ``max_steps`` steps. ``train_model`` always starts from fresh weights and
+    runs a fixed number of steps, so its step and evaluation are reused here rather than the whole loop."""
+    from agora.lab.train_local import train_step, evaluate
+    from agora.optim import build_optimizer, set_lr
+
+    model = _assembled(m, stages)
+    model.train()
+    opt = build_optimizer(model, m.optimizer, seed=m.seed)
+    mb = m.batch.microbatch_size
+    accum = max(1, m.batch.target_batch_size // mb)
+    tokens_per_step = accum * mb * m.model.seq_len
+    batches = train.batches(mb, seed=m.seed)
+    evals = [{"steps": 0, "tokens": 0, "val_loss": evaluate(model, val_set)}]
+    steps = 0
+    while evals[-1]["val_loss"] > target and steps < max_steps:
+        set_lr(opt, m.optimizer, steps)
+        train_step(model, opt, batches, accum, m.optimizer.grad_clip)
+        steps += 1
+        if steps % eval_every == 0 or steps == max_steps:
+            evals.append({"steps": steps, "tokens": steps * tokens_per_step, "val_loss": evaluate(model, val_set)})
+    reached = evals[-1]["val_loss"] <= target
+    return {"reached": reached, "steps": steps, "tokens": evals[-1]["tokens"] if reached else None,
+            "tokens_per_step": tokens_per_step, "evals": evals}
+
+
+def recovery(m: Manifest, model: PipelineModel, summary: dict, gaps: tuple[int, ...], stage: int, max_steps: int,
+             eval_every: int, tolerance: float, val_batches: int = 8) -> tuple[dict, list[dict]]:
+    """Recovery cost of stitched shards of ``model`` (trained from scratch by ``train_model``: ``summary``, with
+    evaluations every ``eval_every`` steps). Stitched as in :func:`stitching`: stage ``stage`` captured before
+    ``gap`` rotations of every boundary, the others after; each stitched model is fine-tuned until it reaches the
+    original's validation loss (+ ``tolerance``). Scratch cost: the tokens after which the original's own run first
+    reached that loss. Returns (the original's figures, one row per gap)."""
+    from agora.lab.train_local import evaluate
+
+    train, val, _ = build_datasets(m)
+    val_set = val.fixed_batches(m.batch.microbatch_size, val_batches)  # train_model's validation batches
+    target = summary["val_loss"] + tolerance
+    scratch = next(e["tokens"] for e in summary["evals"] if e["val_loss"] <= target)  # the last one at the latest
+    torch.manual_seed(m.seed)
+    original = {"seed": m.seed, "val_loss": summary["val_loss"], "target": target, "steps": summary["steps"],
+                "tokens_per_step": summary["tokens"] // summary["steps"], "scratch_tokens": scratch,
+                "initial_val_loss": evaluate(PipelineModel(m), val_set),  # train_model's initial weights
+                "evals": [{"tokens": e["tokens"], "val_loss": e["val_loss"]} for e in summary["evals"]]}
+
+    stages = [copy.deepcopy(st) for st in model.stages]
+    for st in stages:
+        enable_frames(st, allow_tied_copies=True)
+    gen = torch.Generator().manual_seed(m.seed + 1)
+    width, n = frame_width(stages[0]), len(stages)
+
+    def rotate_every_boundary() -> None:
+        for b in range(n - 1):
+            rotate_boundary(stages, b, haar_orthogonal(width, gen))
+
+    rotate_every_boundary()  # start from non-trivial frames, as stitching does
+    rows = []
+    for gap in gaps:
+        before = [copy.deepcopy(st) for st in stages]
+        for _ in range(gap):
+            rotate_every_boundary()
+        honest = evaluate(_assembled(m, stages), val_set)  # the rotations alone keep the original's loss
+        stitched = [copy.deepcopy(before[i] if i == stage else st) for i, st in enumerate(stages)]
+        t0 = time.perf_counter()
+        run = fine_tune_to(m, stitched, train, val_set, target, max_steps, eval_every)
+        fraction = run["tokens"] / scratch if run["reached"] else None
+        rows.append({"seed": m.seed, "gap": gap, "stage": stage, "honest_val_loss": honest,
+                     "stitched_val_loss": run["evals"][0]["val_loss"], "final_val_loss": run["evals"][-1]["val_loss"],
+                     "reached": run["reached"], "steps": run["steps"], "tokens": run["tokens"],
+                     "scratch_tokens": scratch, "fraction": fraction,
+                     # a lower bound when the cap was hit: recovery needs more than max_steps' tokens
+                     "fraction_at_least": fraction if fraction is not None
+                     else max_steps * run["tokens_per_step"] / scratch,
+                     "wall_s": time.perf_counter() - t0, "evals": run["evals"]})
+        logger.info(f"recovery: { {k: v for k, v in rows[-1].items() if k != 'evals'} }")
+    return original, rows
+
+
+def summarize_recovery(rows: list[dict], target: float = RECOVERY_TARGET) -> tuple[list[dict], Optional[bool]]:
+    """Per gap, medians over seeds, and whether recovery needs >= ``target`` of scratch's tokens: True (met),
+    False (not met), None (undetermined: a run hit its step cap below the target, and the median hinges on it;
+    always for gap 0, identical frames, the control). Overall: over gaps >= 1."""
+    by_gap: dict[int, list[dict]] = {}
+    for r in rows:
+        by_gap.setdefault(r["gap"], []).append(r)
+    out = []
+    for gap, gap_rows in sorted(by_gap.items()):
+        # A run that did not reach the loss within its cap counts as its lower bound (low) or as infinite (high):
+        # the true median lies between the two.
+        low = statistics.median(r["fraction_at_least"] for r in gap_rows)
+        high = statistics.median(r["fraction"] if r["reached"] else math.inf for r in gap_rows)
+        tokens = statistics.median(r["tokens"] if r["reached"] else math.inf for r in gap_rows)
+        met = None if gap == 0 else True if low >= target else False if high < target else None
+        out.append({"gap": gap, "seeds": len(gap_rows), "reached": sum(r["reached"] for r in gap_rows),
+                     "median_fraction": high if math.isfinite(high) else None, "median_fraction_at_least": low,
+                     "median_tokens": tokens if math.isfinite(tokens) else None,
+                     "median_scratch_tokens": statistics.median(r["scratch_tokens"] for r in gap_rows),
+                     "median_stitched_val_loss": statistics.median(r["stitched_val_loss"] for r in gap_rows),
+                     "target_met": met})
+    verdicts = [g["target_met"] for g in out if g["gap"] > 0]
+    overall = None if not verdicts or (None in verdicts and False not in verdicts) else all(verdicts)
+    return out, overall
+
+
 # --------------------------------------------------------------------------- models
 
 
-def _small(opts: UpmBenchOptions) -> tuple[Manifest, list[Stage], torch.Tensor]:
+def _train(preset: str, seed: int, steps: int, eval_every: int) -> tuple[Manifest, PipelineModel, dict]:
     from agora.lab.train_local import train_model
 
-    m = load_manifest("small").with_overrides(seed=opts.seed)
-    logger.info(f"training small for {opts.train_steps} steps")
-    _, model = train_model(m, opts.train_steps) if opts.train_steps > 0 else (None, None)
-    stages = list(model.stages) if model is not None else build_stages(m)
+    m = load_manifest(preset).with_overrides(seed=seed)
+    logger.info(f"training {preset} (seed {seed}) for {steps} steps")
+    summary, model = train_model(m, steps, eval_every=eval_every)
+    return m, model, summary
+
+
+def _small(opts: UpmBenchOptions, trained: Optional[tuple[Manifest, PipelineModel, dict]]
+           ) -> tuple[Manifest, list[Stage], torch.Tensor]:
+    """``small`` as ``trained`` (None: its initial weights), and validation windows to compare logits on."""
+    m = trained[0] if trained is not None else load_manifest("small").with_overrides(seed=opts.seed)
+    stages = list(trained[1].stages) if trained is not None else build_stages(m)
     _, val, _ = build_datasets(m)
     rows = torch.cat(val.fixed_batches(m.batch.microbatch_size, opts.eval_rows))[: opts.eval_rows].long()
     return m, [st.eval() for st in stages], rows
@@ -230,6 +372,18 @@ def _real(opts: UpmBenchOptions) -> tuple[Manifest, list[Stage], list[Stage], to
     return m, stages, randoms, rows
 
 
+def _recovery_stage(m: Manifest, stage: Optional[int]) -> int:
+    """The stage captured before the gap: ``stage``, or the middle one (both its boundaries mismatched when
+    there are three or more stages)."""
+    if m.training.warmup_depth is not None:
+        raise ValueError("recovery: the manifest grows its depth while training (training.warmup_depth); "
+                         "fine-tuning here does not grow it")
+    chosen = m.n_stages // 2 if stage is None else stage
+    if not 0 <= chosen < m.n_stages or m.n_stages < 2:
+        raise ValueError(f"recovery: stage {chosen} of a {m.n_stages}-stage manifest (needs 2 or more stages)")
+    return chosen
+
+
 # --------------------------------------------------------------------------- the benchmark
 
 
@@ -237,8 +391,19 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
     torch.manual_seed(opts.seed)
     sections = set(opts.sections)
     result: dict = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.__dict__.items()}}
+    trained: dict[tuple[str, int], tuple[Manifest, PipelineModel, dict]] = {}
+
+    def original(preset: str, seed: int) -> tuple[Manifest, PipelineModel, dict]:
+        # One trained model per (preset, seed), shared by stitching and recovery; evaluations change no weights.
+        if (preset, seed) not in trained:
+            every = opts.recovery_eval_every if "recovery" in sections else 0
+            trained[preset, seed] = _train(preset, seed, opts.train_steps, every)
+        return trained[preset, seed]
+
+    if "recovery" in sections:  # a bad stage or manifest fails here, before any training
+        stage = _recovery_stage(load_manifest(opts.recovery_preset), opts.recovery_stage)
     if sections & {"preservation", "stitching"}:
-        m, small, rows = _small(opts)
+        m, small, rows = _small(opts, original("small", opts.seed) if opts.train_steps > 0 else None)
         result["small"] = {"manifest_hash": m.hash, "k": m.residual.k, "d_model": m.model.d_model,
                            "train_steps": opts.train_steps}
         if "preservation" in sections:
@@ -259,6 +424,20 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
         result["training"] = {"preset": "small", "steps": opts.training_steps, "rotate_every": opts.rotate_every,
                               "rows": training_rows(load_manifest("small"), opts.training_steps, opts.rotate_every,
                                                     opts.training_modes, opts.training_seeds)}
+    if "recovery" in sections:
+        originals, rows = [], []
+        for seed in opts.recovery_seeds:
+            m, model, summary = original(opts.recovery_preset, seed)
+            o, r = recovery(m, model, summary, opts.recovery_gaps, stage, opts.recovery_max_steps,
+                            opts.recovery_eval_every, opts.recovery_tolerance)
+            originals.append(o)
+            rows += r
+        by_gap, met = summarize_recovery(rows)
+        result["recovery"] = {"preset": opts.recovery_preset, "train_steps": opts.train_steps, "stage": stage,
+                              "n_stages": load_manifest(opts.recovery_preset).n_stages,
+                              "max_steps": opts.recovery_max_steps, "eval_every": opts.recovery_eval_every,
+                              "tolerance": opts.recovery_tolerance, "target_fraction": RECOVERY_TARGET,
+                              "target_met": met, "by_gap": by_gap, "originals": originals, "rows": rows}
     write_result(opts.out, "upm", result, markdown(result))
     return result
 
@@ -300,4 +479,36 @@ def markdown(result: dict) -> str:
                      f"without rotations (same seed, same data order); median and range over seeds.\n\n"
                      + markdown_table(["v treatment", "seeds", "rotations", "loss ratio (median)", "range",
                                        "val loss (median)"], trows))
+    if "recovery" in result:
+        parts.append(_recovery_markdown(result["recovery"]))
     return "\n\n".join(parts)
+
+
+def _recovery_markdown(rec: dict) -> str:
+    verdict = {True: "met", False: "not met", None: "undetermined (raise --recovery-max-steps)"}
+    cap = rec["max_steps"]
+    rows = []
+    for g in rec["by_gap"]:
+        if g["median_fraction"] is not None:
+            tokens, fraction = round(g["median_tokens"]), f"{g['median_fraction']:.3g}"
+        else:
+            tokens = f"not reached within {cap} steps ({g['seeds'] - g['reached']} of {g['seeds']} seeds)"
+            fraction = f">= {g['median_fraction_at_least']:.3g}"
+        rows.append([g["gap"], g["seeds"], g["median_stitched_val_loss"], tokens, round(g["median_scratch_tokens"]),
+                     fraction,
+                     "control (identical frames)" if g["gap"] == 0 else verdict[g["target_met"]]])
+    o = rec["originals"]
+    losses = sorted(x["val_loss"] for x in o)
+    initial = sorted(x["initial_val_loss"] for x in o)
+    return (f"### Recovery cost: `{rec['preset']}` trained {rec['train_steps']} steps, stage {rec['stage']} of "
+            f"{rec['n_stages']} captured `gap` rotations of every boundary before the others\n\n"
+            f"The stitched model is fine-tuned (the manifest's optimizer and schedule from step 0, the bundled corpus) "
+            f"until its validation loss is within {rec['tolerance']:g} nats of the original's "
+            f"({losses[len(losses) // 2]:.4f}, median over {len(o)} seed(s); initial weights: "
+            f"{initial[len(initial) // 2]:.4f}), evaluated every {rec['eval_every']} steps, at most {cap} steps. "
+            f"Scratch: the tokens after which the original's own run from scratch first reached that loss. Fraction: "
+            f"recovery tokens / scratch tokens (median over seeds); target >= {rec['target_fraction']:g}.\n\n"
+            + markdown_table(["gap", "seeds", "stitched val loss", "tokens to original's loss", "scratch tokens",
+                              "fraction of scratch", "target"], rows)
+            + f"\n\nTarget (recovery needs >= {rec['target_fraction']:.0%} of scratch's tokens at every gap >= 1): "
+            f"**{verdict[rec['target_met']]}**.")

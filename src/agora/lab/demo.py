@@ -74,6 +74,7 @@ class SwarmShape:
     averaging: Optional[str] = None  # replica averaging spec, e.g. "powersgd,rank=8" (see averaging_section)
     seed: Optional[int] = None  # the run's seed (None: the preset's)
     overlap_rounds: Optional[bool] = None  # batch.overlap_rounds (None: the preset's)
+    upm_every_s: Optional[float] = None  # UPM: rotate every boundary's frame this often (security.upm; None: off)
 
 
 @dataclass(frozen=True)
@@ -555,7 +556,7 @@ def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Op
     out.mkdir(parents=True, exist_ok=True)
     shape = options.shape
     manifest = demo_manifest(shape.preset, shape.stages, shape.residual, shape.averaging, shape.seed,
-                             shape.overlap_rounds)
+                             shape.overlap_rounds, shape.upm_every_s)
     authority = LocalAuthority(out / "keys") if options.allow_list else None
     if authority is not None:
         manifest = authority.secure(manifest)

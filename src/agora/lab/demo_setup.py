@@ -32,10 +32,11 @@ def averaging_section(spec: str) -> dict:
 
 def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
                   averaging: Optional[str] = None, seed: Optional[int] = None,
-                  overlap_rounds: Optional[bool] = None) -> Manifest:
+                  overlap_rounds: Optional[bool] = None, upm_every_s: Optional[float] = None) -> Manifest:
     """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries);
     ``averaging`` sets the replicas' averaging scheme (a spec for :func:`averaging_section`); ``seed`` replaces the
-    preset's (initial weights, data order, every random draw); ``overlap_rounds`` sets ``batch.overlap_rounds``."""
+    preset's (initial weights, data order, every random draw); ``overlap_rounds`` sets ``batch.overlap_rounds``;
+    ``upm_every_s`` turns UPM rotations on (``security.upm.every_s``)."""
     m = load_manifest(preset)
     if seed is not None:
         m = m.with_overrides(seed=seed)
@@ -43,6 +44,8 @@ def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
         m = m.with_overrides(**{"batch.overlap_rounds": overlap_rounds})
     if averaging is not None:
         m = m.with_overrides(averaging=averaging_section(averaging))
+    if upm_every_s is not None:
+        m = m.with_overrides(**{"security.upm": {"every_s": upm_every_s}})
     if stages != m.n_stages:
         m = m.with_overrides(stages=even_split(m.model.n_layers, stages))
     if residual == "dense":

@@ -98,7 +98,7 @@ def train_model(
     tokens = 0
     for step in range(steps):
         lr = set_lr(opt, manifest.optimizer, step)
-        total = _train_step(model, opt, batches, accum, manifest.optimizer.grad_clip)
+        total = train_step(model, opt, batches, accum, manifest.optimizer.grad_clip)
         hold = by_curvature and clock < warmup_end(manifest) and curvature.holds(warmup_measurement(manifest, step))
         clock, held = clock + (not hold), held + hold
         model.grow_for_step(clock)  # architecture warm-up (training.warmup_depth): blocks due now join
@@ -183,7 +183,7 @@ class ModelCurvature:
         return out
 
 
-def _train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float) -> float:
+def train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float) -> float:
     """One optimizer step over ``accum`` microbatches; returns the step's mean training loss."""
     total = 0.0
     for _ in range(accum):

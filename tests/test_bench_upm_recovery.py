@@ -1,0 +1,126 @@
+"""``agora bench upm --sections recovery`` on ``tiny``: what a stitched model costs to fine-tune back to the
+original's validation loss, against the tokens the original needed from scratch (issue #17 item 5c)."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from agora.bench.upm import RECOVERY_TARGET, UpmBenchOptions, run_upm_bench, summarize_recovery
+
+TRAIN_STEPS, EVERY = 12, 2
+TOKENS_PER_STEP = 16 * 64  # tiny: target_batch_size 16 sequences of seq_len 64
+
+
+def test_recovery_section_on_tiny(tmp_path):
+    out = tmp_path / "upm"
+    proc = subprocess.run([sys.executable, "-m", "agora.cli", "bench", "upm", "--out", str(out), "--sections",
+                           "recovery", "--recovery-preset", "tiny", "--train-steps", str(TRAIN_STEPS),
+                           "--recovery-gaps", "0,1", "--recovery-max-steps", "16", "--recovery-eval-every",
+                           str(EVERY), "--recovery-seeds", "0,1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert set(result) >= {"benchmark", "options", "recovery"} and "small" not in result  # only this section ran
+    rec = result["recovery"]
+    assert (rec["preset"], rec["stage"], rec["n_stages"], rec["max_steps"]) == ("tiny", 1, 2, 16)
+    assert rec["target_fraction"] == RECOVERY_TARGET
+
+    originals = {o["seed"]: o for o in rec["originals"]}
+    assert set(originals) == {0, 1}
+    for o in originals.values():
+        assert o["tokens_per_step"] == TOKENS_PER_STEP and o["steps"] == TRAIN_STEPS
+        # Scratch: the first evaluation of the original's own run at its final loss (+ tolerance), never after it.
+        assert 0 < o["scratch_tokens"] <= TRAIN_STEPS * TOKENS_PER_STEP
+        assert o["scratch_tokens"] % (EVERY * TOKENS_PER_STEP) == 0
+        assert o["scratch_tokens"] == next(e["tokens"] for e in o["evals"] if e["val_loss"] <= o["target"])
+        assert o["target"] == pytest.approx(o["val_loss"] + rec["tolerance"])
+        assert o["initial_val_loss"] > o["val_loss"] + 0.5  # training from scratch did learn something
+
+    rows = {(r["seed"], r["gap"]): r for r in rec["rows"]}
+    assert set(rows) == {(s, g) for s in (0, 1) for g in (0, 1)}
+    for (seed, gap), r in rows.items():
+        o = originals[seed]
+        assert r["scratch_tokens"] == o["scratch_tokens"]
+        # Rotating every boundary keeps the honest model's loss (rounding only).
+        assert r["honest_val_loss"] == pytest.approx(o["val_loss"], abs=1e-4)
+        evals = r["evals"]
+        assert evals[0]["tokens"] == 0 and evals[0]["val_loss"] == r["stitched_val_loss"]
+        assert [e["tokens"] for e in evals] == [e["steps"] * TOKENS_PER_STEP for e in evals]
+        assert [e["steps"] for e in evals] == sorted({e["steps"] for e in evals})
+        assert evals[-1]["steps"] == r["steps"] <= 16 and evals[-1]["val_loss"] == r["final_val_loss"]
+        if r["reached"]:
+            assert r["final_val_loss"] <= o["target"]
+            assert all(e["val_loss"] > o["target"] for e in evals[:-1])  # stopped at the first evaluation there
+            assert r["tokens"] == r["steps"] * TOKENS_PER_STEP
+            assert r["fraction"] == r["fraction_at_least"] == r["tokens"] / o["scratch_tokens"]
+        else:
+            assert r["steps"] == 16 and r["tokens"] is None and r["fraction"] is None
+            assert r["final_val_loss"] > o["target"]
+            assert r["fraction_at_least"] == 16 * TOKENS_PER_STEP / o["scratch_tokens"]
+        if gap == 0:
+            # Identical frames: the "stitched" model is the honest one and has nothing to recover.
+            assert r["reached"] and r["steps"] == 0 and r["tokens"] == 0 and r["fraction"] == 0.0
+            assert r["stitched_val_loss"] == pytest.approx(o["val_loss"], abs=1e-4)
+        else:
+            # A middle-of-training shard one rotation older breaks the model: far above the original's loss.
+            assert r["stitched_val_loss"] > o["val_loss"] + 0.5
+
+    by_gap = {g["gap"]: g for g in rec["by_gap"]}
+    assert set(by_gap) == {0, 1}
+    assert by_gap[0]["median_tokens"] == 0 and by_gap[0]["median_fraction"] == 0.0
+    gap1 = [rows[s, 1] for s in (0, 1)]
+    if all(r["reached"] for r in gap1):
+        assert by_gap[1]["median_fraction"] == pytest.approx(statistics.median(r["fraction"] for r in gap1))
+        assert by_gap[1]["target_met"] == (by_gap[1]["median_fraction"] >= RECOVERY_TARGET)
+    assert rec["target_met"] == by_gap[1]["target_met"]  # gap 0 is the control, never the verdict
+    md = (out / "result.md").read_text()
+    assert "### Recovery cost: `tiny`" in md and "control (identical frames)" in md
+    verdict = {True: "**met**", False: "**not met**", None: "**undetermined"}[rec["target_met"]]
+    assert f"at every gap >= 1): {verdict}" in md
+
+
+def test_recovery_reports_a_run_that_hits_its_cap(tmp_path):
+    # One fine-tuning step cannot undo a rotated boundary: "not reached", and 1/12 of scratch's tokens as a lower
+    # bound decides nothing about the 60% target.
+    result = run_upm_bench(UpmBenchOptions(out=tmp_path, sections=("recovery",), recovery_preset="tiny",
+                                           train_steps=TRAIN_STEPS, recovery_gaps=(1,), recovery_max_steps=1,
+                                           recovery_eval_every=EVERY))
+    rec = result["recovery"]
+    (row,) = rec["rows"]
+    assert not row["reached"] and row["steps"] == 1 and row["tokens"] is None
+    assert row["fraction_at_least"] == pytest.approx(TOKENS_PER_STEP / row["scratch_tokens"])
+    assert rec["target_met"] is None and rec["by_gap"][0]["median_fraction"] is None
+    md = (tmp_path / "result.md").read_text()
+    assert "not reached within 1 steps (1 of 1 seeds)" in md and "undetermined" in md
+
+
+def _row(gap: int, fraction, at_least: float = 0.5) -> dict:
+    reached = fraction is not None
+    return {"gap": gap, "reached": reached, "fraction": fraction, "fraction_at_least": fraction if reached else at_least,
+            "tokens": fraction * 100 if reached else None, "scratch_tokens": 100, "stitched_val_loss": 9.0}
+
+
+def test_median_over_seeds_and_the_verdict_with_capped_runs():
+    # Per gap: a capped run counts as its lower bound or as infinite; the verdict is only given when both agree.
+    by_gap, met = summarize_recovery([_row(0, 0.0), _row(1, 0.7), _row(1, 0.8), _row(1, None)])
+    assert [g["target_met"] for g in by_gap] == [None, True] and met is True  # median >= 0.7 whatever the cap hid
+    assert by_gap[1]["median_fraction"] == 0.8 and by_gap[1]["median_fraction_at_least"] == 0.7
+    by_gap, met = summarize_recovery([_row(1, 0.1), _row(1, 0.9), _row(1, None), _row(100, 0.9)])
+    assert by_gap[0]["median_fraction"] == 0.9 and by_gap[0]["median_fraction_at_least"] == 0.5
+    assert by_gap[0]["target_met"] is None and met is None  # the median hinges on the capped run
+    by_gap, _ = summarize_recovery([_row(1, 0.1), _row(1, None), _row(1, None)])
+    assert by_gap[0]["median_fraction"] is None and by_gap[0]["median_tokens"] is None
+    _, met = summarize_recovery([_row(1, 0.1), _row(1, 0.2), _row(1, None), _row(100, None, 2.0)])
+    assert met is False  # one gap below the target settles it
+    _, met = summarize_recovery([_row(0, 0.0)])
+    assert met is None  # the control alone decides nothing
+
+
+def test_recovery_needs_a_trained_original(tmp_path):
+    with pytest.raises(ValueError, match="train_steps"):
+        UpmBenchOptions(out=tmp_path, sections=("recovery",), train_steps=0)
+    with pytest.raises(ValueError, match="stage 5"):
+        run_upm_bench(UpmBenchOptions(out=tmp_path, sections=("recovery",), recovery_preset="tiny",
+                                      recovery_stage=5))
