@@ -255,6 +255,9 @@ def test_manifest_refuses_what_rotations_do_not_support():
             base.with_overrides(**bad, **upm)
     assert base.with_overrides(**upm).security.upm.every_s == 5.0
     assert base.with_overrides(**upm).hash != base.hash
+    from agora.lab.demo_setup import demo_manifest
+    assert demo_manifest("tiny", 2, upm_every_s=7.0).security.upm.every_s == 7.0  # the demo's and benches' switch
+    assert demo_manifest("tiny", 2).security.upm is None
 
 
 def test_a_generation_session_survives_rotations_of_every_boundary():

@@ -13,6 +13,7 @@ import torch
 from agora.client.trainer import Trainer
 from agora.config import load_manifest
 from agora.net.dht import make_dht
+from agora.ops.metrics import NodeCollector
 from agora.server.node import NodeOptions, StageNode
 from swarm_util import local_swarm, random_batches, wait_until
 
@@ -86,9 +87,11 @@ async def _join_and_train(man, peers, nodes, trainer, data):
         await drawer.stop()
         survivors = [n for n in replicas if n is not drawer]
         drawn_before = sum(n.rotations.drawn for n in survivors)
+        await _wave(trainer, data, survivors)
+        # The lowest survivor draws once the drawer's record is gone from its view (record expiry + one read).
+        await wait_until(lambda: sum(n.rotations.drawn for n in survivors) > drawn_before, 40, "a survivor's draw")
         for _ in range(2):
             await _wave(trainer, data, survivors)
-            await asyncio.sleep(1.5)
         tail = [n for n in nodes if n.stage_index == 2]
         result["left"] = drawer.peer_id
         result["after_leave"] = {
@@ -133,6 +136,11 @@ def test_a_rotating_swarm_learns_what_a_plain_one_does_and_keeps_rotations_off_t
     assert out0 == in1 and len(out0) == 1 and min(out0) >= 2, (out0, in1)
     assert out1 == in2 and len(out1) == 1 and min(out1) >= 2, (out1, in2)
     assert all(n.runtime.frames.late == 0 for n in nodes), [n.rotations.summary() for n in nodes]
+    scraped = {f.name: f.samples[0].value for f in NodeCollector(by_stage[1][0]).collect()
+               if f.name.startswith("agora_upm")}
+    frames = by_stage[1][0].runtime.frames
+    assert scraped["agora_upm_epoch_in"] == frames.epoch_in and scraped["agora_upm_epoch_out"] == frames.epoch_out
+    assert scraped["agora_upm_rotations_applied"] == frames.applied > 0
     assert sorted(len(reps) for reps in by_stage.values()) == [1 if gone in {n.peer_id for n in nodes} else 2, 2, 2]
     # Replicas of a stage kept averaging in one frame: bit-identical parameters.
     for s, reps in by_stage.items():

@@ -274,6 +274,8 @@ def bench_convergence(
     diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round, the "
                                                     "sparse row's steps between rounds"),
     upm_every_s: float = typer.Option(30.0, min=1.0, help="the upm row's seconds between rotations of a boundary"),
+    rebalance: bool = typer.Option(True, help="nodes move to the bottleneck stage (agora node's default); "
+                                              "--no-rebalance keeps every row's shape fixed, for comparing speeds"),
 ) -> None:
     """Validation loss at equal tokens: centralized against the swarm, each source of difference alone (rounds
     overlapping compute, microbatches in flight, replicas, averaging scheme, link caps) and all together; ratio and
@@ -285,7 +287,7 @@ def bench_convergence(
         row_list = _listed(rows) if rows else None
         opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches,
-                                  diloco_every=diloco_every, upm_every_s=upm_every_s)
+                                  diloco_every=diloco_every, upm_every_s=upm_every_s, rebalance=rebalance)
         opts.row_shapes()  # fail on a bad row name before anything runs
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
@@ -698,6 +700,8 @@ def demo(
     compare_local: bool = typer.Option(False, help="then train the same manifest centrally (train-local) for the "
                                                    "swarm's step count, on the same tokens, and compare the "
                                                    "validation loss on the same batches"),
+    upm_every_s: Optional[float] = typer.Option(None, min=1.0, help="UPM: rotate every stage boundary's frame this "
+                                                                    "often while training (security.upm.every_s)"),
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.lab.demo import (CHAOS_FAULTS, ChaosOptions, DemoOptions, LinkOptions, NodeExtras, StopRule,
@@ -727,7 +731,7 @@ def demo(
     summary = run_demo(DemoOptions(
         out=out,
         shape=SwarmShape(preset=preset, stages=stages, replicas=replicas, trainers=trainers, in_flight=in_flight,
-                         threads=threads, residual=residual, averaging=averaging),
+                         threads=threads, residual=residual, averaging=averaging, upm_every_s=upm_every_s),
         stop=StopRule(steps=steps, timeout=timeout),
         chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last, fault=chaos_fault, stop_s=chaos_stop_s),
         link=LinkOptions(mbps=link_mbps, latency_ms=link_latency_ms, backend=link_backend),

@@ -160,25 +160,63 @@ def _set(state: dict, key: str, value: Tensor) -> None:
     state[key].copy_(value.to(state[key].dtype))
 
 
-def _transform(w: nn.Parameter, left: Optional[Tensor], right: Optional[Tensor], moments: Optional[Moments],
-               v_mode: str, weight: Optional[Tensor] = None) -> None:
-    """W <- L W R (float64, written back in W's dtype), and its optimizer moments. ``weight``: the new W already
-    computed (a cheaper form of the same product)."""
-    def apply(x: Tensor, l_: Optional[Tensor], r_: Optional[Tensor]) -> Tensor:
-        x = x.double()
-        if l_ is not None:
-            x = l_ @ x
-        return x @ r_ if r_ is not None else x
+class _Side:
+    """One side of a transform W' = L W R: the matrix X, and how to apply X and its elementwise square X*X (what
+    Adam's second moment follows, ``mixed``) to a tensor. In subspace runs X = Q(R) = I + U (R - I) U^T, and both
+    are applied without forming a d x d matrix (``lifted``): a dense d x d product per tensor made each rotation
+    of a stage with an LM head take seconds of compute on a CPU."""
 
-    w.copy_((weight if weight is not None else apply(w, left, right)).to(w.dtype))
+    def __init__(self, x: Tensor, apply: Callable[[Tensor], Tensor], apply_sq: Callable[[Tensor], Tensor]):
+        self.x, self.apply, self.apply_sq = x, apply, apply_sq
+
+    @staticmethod
+    def dense(x: Tensor, on_left: bool) -> "_Side":
+        if on_left:
+            return _Side(x, lambda t: x @ t, lambda t: x.square() @ t)
+        return _Side(x, lambda t: t @ x, lambda t: t @ x.square())
+
+    @staticmethod
+    def lifted(r: Tensor, u: Tensor, q: Tensor, on_left: bool) -> "_Side":
+        """Q(R) on the right (t Q), or Q(R)^T on the left (Q^T t), with u: the basis U (d x k)."""
+        k = u.shape[1]
+        if k * k >= u.shape[0]:  # the low-rank form would cost more than the dense product
+            return _Side.dense(q.T if on_left else q, on_left)
+        m = r - torch.eye(k, dtype=torch.float64)
+        diag_a = ((u @ m) * u).sum(dim=1)  # diag(A), A = U M U^T
+        w = (u[:, :, None] * u[:, None, :]).reshape(u.shape[0], k * k)  # W[:, i k + j] = U_i * U_j
+        kk = torch.kron(m, m)  # A*A = W (M (x) M) W^T
+        if on_left:  # Q^T t and (Q*Q)^T t (Q*Q is not symmetric: M is not)
+            return _Side(q.T, lambda t: t + u @ (m.T @ (u.T @ t)),
+                         lambda t: t + 2 * diag_a[:, None] * t + w @ (kk.T @ (w.T @ t)))
+        return _Side(q, lambda t: t + ((t @ u) @ m) @ u.T,
+                     lambda t: t + 2 * t * diag_a[None, :] + ((t @ w) @ kk) @ w.T)
+
+
+def _transform(w: nn.Parameter, left: Optional[Tensor], right: Optional[Tensor], moments: Optional[Moments],
+               v_mode: str, weight: Optional[Tensor] = None, left_side: Optional[_Side] = None,
+               right_side: Optional[_Side] = None) -> None:
+    """W <- L W R (float64, written back in W's dtype), and its optimizer moments. ``weight``: the new W already
+    computed (a cheaper form of the same product); ``left_side``/``right_side``: cheaper ways to apply L or R and
+    their elementwise squares (``_Side``)."""
+    ls = left_side or (_Side.dense(left, True) if left is not None else None)
+    rs = right_side or (_Side.dense(right, False) if right is not None else None)
+
+    def apply(x: Tensor, square: bool = False) -> Tensor:
+        x = x.double()
+        if ls is not None:
+            x = ls.apply_sq(x) if square else ls.apply(x)
+        if rs is not None:
+            x = rs.apply_sq(x) if square else rs.apply(x)
+        return x
+
+    w.copy_((weight if weight is not None else apply(w)).to(w.dtype))
     st = moments(w) if moments is not None else None
     if not st:
         return
-    _set(st, "exp_avg", apply(st["exp_avg"], left, right))
+    _set(st, "exp_avg", apply(st["exp_avg"]))
     v = st["exp_avg_sq"]
     if v_mode == "mixed":
-        _set(st, "exp_avg_sq", apply(v, None if left is None else left.square(),
-                                     None if right is None else right.square()).clamp_min(0))
+        _set(st, "exp_avg_sq", apply(v, square=True).clamp_min(0))
     elif v_mode == "isotropic":
         v.fill_(float(v.double().mean()))
     elif v_mode != "keep":
@@ -203,12 +241,15 @@ def rotate_input(stage: Stage, r: Tensor, moments: Optional[Moments] = None, v_m
              for n in (*READS_AFTER_INPUT_NORM, *READS_AFTER_POST_NORM)]
     if stage.spec.is_tail:
         reads.append(stage.lm_head.weight)
+    read_side = _Side.lifted(r, u, q, on_left=False) if u is not None else None
     for w in reads:
-        _transform(w, None, q, moments, v_mode, weight=_read(w.double(), r, u, q))
+        _transform(w, None, q, moments, v_mode, weight=_read(w.double(), r, u, q), right_side=read_side)
+    dense_write = _Side.lifted(r, u, q, on_left=True) if u is not None else None
     for block in stage.layers.values():
         rot = r if block.subspace else q  # a subspace write has k outputs, lifted by U^T after its norm
         for name in WRITES:
-            _transform(block.get_submodule(name).weight, rot.T, None, moments, v_mode)
+            _transform(block.get_submodule(name).weight, rot.T, None, moments, v_mode,
+                       left_side=None if block.subspace else dense_write)
     if stage.spec.is_head:
         # Z (V x k) in subspace runs, E (V x d) in dense ones: R is that wide.
         _transform(stage.embed_tokens.weight, None, r, moments, v_mode)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
-from agora.lab.demo import DemoOptions, LinkOptions, StopRule, SwarmShape, demo_manifest, run_demo
+from agora.lab.demo import DemoOptions, LinkOptions, NodeExtras, StopRule, SwarmShape, demo_manifest, run_demo
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
@@ -59,6 +59,9 @@ class ConvergenceOptions:
     val_batches: int = 4
     diloco_every: int = 4  # DiLoCo's inner steps per outer round in the ``diloco`` row, steps between ``sparse`` rounds
     upm_every_s: float = 30.0  # seconds between rotations of a boundary in the ``upm`` row
+    # Nodes move to the bottleneck stage as ``agora node`` does by default. A move mid-run changes a row's shape
+    # (and its speed) at a moment that depends on timing: off for comparing rows' speeds.
+    rebalance: bool = True
 
     def row_shapes(self) -> dict[str, dict]:
         """Each row's swarm: replicas, microbatches in flight, averaging spec (None: the preset's), link cap."""
@@ -140,6 +143,7 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
                          seed=seed, overlap_rounds=shape["overlap"], upm_every_s=shape.get("upm_every_s")),
         stop=StopRule(steps=opts.steps, tokens=central["tokens"], exact_tokens=True, timeout=SWARM_TIMEOUT_S),
         link=LinkOptions(mbps=shape["mbps"]) if shape["mbps"] else LinkOptions(),
+        nodes=NodeExtras(args=None if opts.rebalance else ["--rebalance-every", "0"]),
         live=False, sample_tokens=0))
     if not s["finished"]:
         raise RuntimeError(f"seed {seed}, row {name}: the swarm did not train {central['tokens']} tokens within "

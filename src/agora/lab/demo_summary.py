@@ -256,7 +256,7 @@ def _node_row(child: Child, s: dict) -> dict:
             "hedge_claims_lost": s.get("hedge_claims_lost", 0),
             "hedge_claims_granted": s.get("hedge_claims_granted", 0),
             "curvature": s.get("curvature"), "consensus_distance": s.get("consensus_distance"),
-            "utilisation": s.get("utilisation")}
+            "utilisation": s.get("utilisation"), "upm": s.get("upm")}
 
 
 def _completions(trainers: list[dict], t0: Optional[float]) -> list[list[float]]:

@@ -143,6 +143,16 @@ class NodeCollector(Collector):
                 yield CounterMetricFamily("agora_warmup_held_steps", "Steps a curvature-driven warm-up held its "
                                           "clock (lr x lambda above its limit).",
                                           value=n.sync.warmup_brake.held_steps)
+        frames = n.runtime.frames if n.runtime is not None else None
+        if frames is not None:  # UPM (server/upm.py)
+            yield GaugeMetricFamily("agora_upm_epoch_in", "UPM: frame epoch of this stage's input boundary.",
+                                    value=frames.epoch_in)
+            yield GaugeMetricFamily("agora_upm_epoch_out", "UPM: frame epoch of this stage's output boundary.",
+                                    value=frames.epoch_out)
+            yield CounterMetricFamily("agora_upm_rotations_applied", "UPM: boundary rotations applied here.",
+                                      value=frames.applied)
+            yield CounterMetricFamily("agora_upm_rotations_late", "UPM: rotations applied after their step had "
+                                      "passed (the replica is then repaired by a state download).", value=frames.late)
         yield StateSetMetricFamily("agora_peer_state", "Lifecycle state of this peer.",
                                    value={s.value: n.state == s for s in PeerState})
 

@@ -224,6 +224,8 @@ class StageHandler:
         await self.authorize(sender)
         if sender in self.node.banned_peers():
             raise self.reject("banned", f"peer {sender} is banned here for sending corrupted messages")
+        if not self.node.limiter.allow(sender):
+            raise self.reject("rate_limited", f"more than {self.node.opts.rate_limit_per_s:.0f} calls/s from {sender}")
         m = self.manifest
         n = m.residual.k if m.residual.mode == "subspace" else m.model.d_model
         self.check_size(announced_bytes, 8 * n * n + 4096, "rotation")

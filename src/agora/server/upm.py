@@ -36,6 +36,10 @@ logger = logging.getLogger("agora.upm")
 HISTORY = 8  # rotations of the input boundary kept for converting late messages and stale gradients
 FRAME_EPOCHS = "frame/epochs"  # [input epoch, output epoch] in a stage's state (downloads, checkpoints)
 PUSH_EVERY_S = 1.0  # how often a holder of an unacknowledged rotation sends it again to a peer
+# How old the stage records the protocol decides from may be. DHT reads cost CPU in every DHT peer they touch: read
+# once a second on every node for the pushes, they slowed a 2-core swarm by a third. Membership changes slowly; a
+# replica that joins meanwhile gets a rotation at most this much later (or its state download carries it).
+RECORDS_MAX_AGE_S = 5.0
 CALL_TIMEOUT_S = 5.0
 
 
@@ -262,6 +266,8 @@ class Rotations:
             raise RpcError("bad_request", f"a rotation here is an orthogonal {n} x {n} float64 matrix")
         sender = str(caller)
         sides = {r_.peer_id for s in (boundary, boundary + 1) for r_ in await self._replicas(s)}
+        if sender not in sides:  # a replica that joined since our last read: look once more (at most 1/s)
+            sides = {r_.peer_id for s in (boundary, boundary + 1) for r_ in await self._replicas(s, max_age=1.0)}
         if sender not in sides:
             self.refused += 1
             raise RpcError("unauthorized", f"only replicas of stages {boundary} and {boundary + 1} send its rotations")
@@ -304,11 +310,11 @@ class Rotations:
         since = time.monotonic() - self._last_drawn.setdefault(boundary, time.monotonic())
         if since < self.config.every_s:
             return
-        mine = await self._replicas(boundary, fresh=True)
+        mine = await self._replicas(boundary)
         serving = sorted({r.peer_id for r in mine if r.state == PeerState.SERVING.value} | {h.peer_id})
         if serving[0] != h.peer_id:
             return  # the lowest serving peer id draws; the others wait for its rotation
-        both = mine + await self._replicas(boundary + 1, fresh=True)
+        both = mine + await self._replicas(boundary + 1)
         step = max([h.step(), *(r.step for r in both)])
         gen = torch.Generator().manual_seed(secrets.randbits(63))
         rot = Rotation(boundary, ledger.epoch_of(boundary) + 1, step + self.config.lead_steps,
@@ -356,12 +362,12 @@ class Rotations:
 
         await asyncio.gather(*(send(p) for p in targets))
 
-    async def _replicas(self, stage: int, fresh: bool = False) -> list[StageRecord]:
-        """The stage's records (read at most once a second unless ``fresh``)."""
+    async def _replicas(self, stage: int, max_age: float = RECORDS_MAX_AGE_S) -> list[StageRecord]:
+        """The stage's records, read again when older than ``max_age`` seconds."""
         if not 0 <= stage < self.manifest.n_stages:
             return []
         at, recs = self._records.get(stage, (-math.inf, []))
-        if fresh or time.monotonic() - at > 1.0:
+        if time.monotonic() - at > max_age:
             m = self.manifest
             recs = await self.hooks.run_io(read_stage, self.hooks.dht, m.run_id, stage, m.hash)
             self._records[stage] = (time.monotonic(), recs)
