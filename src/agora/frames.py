@@ -161,19 +161,19 @@ def _set(state: dict, key: str, value: Tensor) -> None:
 
 
 class _Side:
-    """One side of a transform W' = L W R: the matrix X, and how to apply X and its elementwise square X*X (what
+    """One side of a transform W' = L W R: how to apply its matrix X and X's elementwise square X*X (what
     Adam's second moment follows, ``mixed``) to a tensor. In subspace runs X = Q(R) = I + U (R - I) U^T, and both
     are applied without forming a d x d matrix (``lifted``): a dense d x d product per tensor made each rotation
     of a stage with an LM head take seconds of compute on a CPU."""
 
-    def __init__(self, x: Tensor, apply: Callable[[Tensor], Tensor], apply_sq: Callable[[Tensor], Tensor]):
-        self.x, self.apply, self.apply_sq = x, apply, apply_sq
+    def __init__(self, apply: Callable[[Tensor], Tensor], apply_sq: Callable[[Tensor], Tensor]):
+        self.apply, self.apply_sq = apply, apply_sq
 
     @staticmethod
     def dense(x: Tensor, on_left: bool) -> "_Side":
         if on_left:
-            return _Side(x, lambda t: x @ t, lambda t: x.square() @ t)
-        return _Side(x, lambda t: t @ x, lambda t: t @ x.square())
+            return _Side(lambda t: x @ t, lambda t: x.square() @ t)
+        return _Side(lambda t: t @ x, lambda t: t @ x.square())
 
     @staticmethod
     def lifted(r: Tensor, u: Tensor, q: Tensor, on_left: bool) -> "_Side":
@@ -186,9 +186,9 @@ class _Side:
         w = (u[:, :, None] * u[:, None, :]).reshape(u.shape[0], k * k)  # W[:, i k + j] = U_i * U_j
         kk = torch.kron(m, m)  # A*A = W (M (x) M) W^T
         if on_left:  # Q^T t and (Q*Q)^T t (Q*Q is not symmetric: M is not)
-            return _Side(q.T, lambda t: t + u @ (m.T @ (u.T @ t)),
+            return _Side(lambda t: t + u @ (m.T @ (u.T @ t)),
                          lambda t: t + 2 * diag_a[:, None] * t + w @ (kk.T @ (w.T @ t)))
-        return _Side(q, lambda t: t + ((t @ u) @ m) @ u.T,
+        return _Side(lambda t: t + ((t @ u) @ m) @ u.T,
                      lambda t: t + 2 * t * diag_a[None, :] + ((t @ w) @ kk) @ w.T)
 
 
@@ -312,7 +312,10 @@ def input_gradients(stage: Stage, grads: dict[str, Optional[Tensor]], r: Tensor,
     sum_i G'_ij W'_ij over the reads after it (G', W': their gradients and weights in the new frame, gain 1). Exact
     at ``weights``; for a microbatch that ran on older weights than the rotation folded, as stale as it is."""
     params = dict(stage.named_parameters())
-    at = {n: (weights[n] if weights is not None and n in weights else params[n]).detach().double() for n in params}
+
+    def at(name: str) -> Tensor:  # only the reads after a gain with a gradient are needed, in float64
+        return (weights[name] if weights is not None and name in weights else params[name]).detach().double()
+
     out = dict(grads)
     r = reorthogonalize(r)
     q = lift(stage, r)
@@ -320,7 +323,7 @@ def input_gradients(stage: Stage, grads: dict[str, Optional[Tensor]], r: Tensor,
     for gain, reads in gain_groups(stage):
         g = gains.get(gain, torch.ones(1, dtype=torch.float64))
         if out.get(gain) is not None:
-            moved = [(_read(out[n].double() / g, r, u, q), _read(at[n] * g, r, u, q)) for n in reads
+            moved = [(_read(out[n].double() / g, r, u, q), _read(at(n) * g, r, u, q)) for n in reads
                      if out.get(n) is not None]
             out[gain] = sum((gr * w).sum(dim=0) for gr, w in moved) if moved else out[gain]
         for name in reads:
