@@ -32,7 +32,7 @@ browser:
 	else echo "note: /usr/bin/chromium is missing and we are not root: tests/test_dashboard.py will be skipped"; fi
 
 demo: $(STAMP)
-	$(VENV)/bin/agora demo --preset small --stages 3 --replicas 2 --steps 10 --compare-local --out runs/demo
+	$(VENV)/bin/agora demo --preset small --stages 3 --replicas 2 --steps 10 --in-flight 4 --compare-local --out runs/demo
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q -x --timeout=600 --durations=25 tests

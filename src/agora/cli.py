@@ -258,6 +258,38 @@ def bench_efficiency(
                                averaging=averaging, repeats=repeats), log=console.print)
 
 
+@bench_app.command("links")
+def bench_links(
+    out: Path = typer.Option(Path("bench-out/links")),
+    preset: str = typer.Option("small"),
+    stages: int = typer.Option(3), replicas: int = typer.Option(2),
+    in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
+    mbps: str = typer.Option("4,20", help="comma-separated uplink rates in Mbit/s, one pair of runs each"),
+    boundaries: str = typer.Option("subspace,dense", help="comma-separated: subspace, dense"),
+    steps: int = typer.Option(6, min=1, help="optimizer steps' worth of tokens per run"),
+    eval_every: int = typer.Option(2, min=1, help="validate every this many steps (and at the end)"),
+    val_batches: int = typer.Option(2, min=1, help="held-out microbatches per validation"),
+    averaging: Optional[str] = typer.Option(None, help="replica averaging, e.g. 'powersgd,rank=4' (default: the "
+                                                       "preset's)"),
+    link_backend: str = typer.Option("auto", help="auto (namespaces + tc tbf when root, else the in-transport "
+                                                  "throttle), netns or transport"),
+) -> None:
+    """Capped uplinks: time to N optimizer steps and validation loss against wall-clock time, subspace vs dense
+    boundaries, with the replicas' averaging rounds counted (JSON, Markdown and a plot)."""
+    from agora.bench.links import LinksOptions, check_links_options, run
+
+    try:
+        options = LinksOptions(preset=preset, stages=stages, replicas=replicas, in_flight=in_flight,
+                               mbps=_listed(mbps, float), boundaries=_listed(boundaries), steps=steps,
+                               eval_every=eval_every, val_batches=val_batches, averaging=averaging,
+                               link_backend=link_backend)
+        check_links_options(options)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2)
+    _join_errors(lambda: run(out, options, log=console.print))
+
+
 @bench_app.command("convergence")
 def bench_convergence(
     out: Path = typer.Option(Path("bench-out/convergence")),
@@ -618,6 +650,9 @@ def train(
     val_batches: int = typer.Option(4, help="validation microbatches to run through the swarm at the end"),
     settle_s: float = typer.Option(0.0, help="before validating, wait up to this many seconds for every stage to "
                                              "apply the samples it was sent (0: validate at once)"),
+    eval_every_steps: int = typer.Option(0, min=0, help="also validate on the same batches during training, each "
+                                                        "time every stage has taken this many more optimizer steps "
+                                                        "(0: only at the end)"),
     summary: Optional[str] = typer.Option(None, help="write a JSON summary here on exit"),
     certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
@@ -631,7 +666,7 @@ def train(
     index, count = _parse_shard(shard)
     opts = TrainerOptions(in_flight=in_flight)
     run = TrainerRun(shard=(index, count), max_tokens=max_tokens, summary=summary, val_batches=val_batches,
-                     settle_s=settle_s)
+                     settle_s=settle_s, eval_every_steps=eval_every_steps)
     endpoint = Endpoint(host, port, identity=identity, certificate=certificate)
     raise typer.Exit(_join_errors(lambda: run_trainer(m, initial_peers, endpoint, opts, run)))
 
@@ -732,7 +767,8 @@ def demo(
         out=out,
         shape=SwarmShape(preset=preset, stages=stages, replicas=replicas, trainers=trainers, in_flight=in_flight,
                          threads=threads, residual=residual, averaging=averaging, upm_every_s=upm_every_s),
-        stop=StopRule(steps=steps, timeout=timeout),
+        # Compared with train-local: exactly ``steps`` target batches, so both arms train the same tokens.
+        stop=StopRule(steps=steps, timeout=timeout, exact_tokens=compare_local),
         chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last, fault=chaos_fault, stop_s=chaos_stop_s),
         link=LinkOptions(mbps=link_mbps, latency_ms=link_latency_ms, backend=link_backend),
         nodes=NodeExtras(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,

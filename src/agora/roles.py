@@ -321,6 +321,8 @@ class TrainerRun:
     :param val_batches: validation microbatches run through the swarm at the end
     :param settle_s: before that validation pass, wait up to this long for every stage to apply what it was sent
         (``Trainer.wait_settled``), so the validation loss covers every trained token (0: validate at once)
+    :param eval_every_steps: also validate on the same batches during training, each time every stage has applied
+        this many more optimizer steps (``Trainer.validate_every``; 0: only at the end)
     """
 
     shard: tuple[int, int] = (0, 1)
@@ -328,18 +330,32 @@ class TrainerRun:
     summary: Optional[str] = None
     val_batches: int = 0
     settle_s: float = 0.0
+    eval_every_steps: int = 0
 
 
 async def _train(trainer: Trainer, val, manifest: Manifest, run: TrainerRun) -> dict:
     stop = asyncio.Event()
     install_stop_signals(asyncio.get_running_loop(), stop)
+    batches = val.fixed_batches(manifest.batch.microbatch_size, run.val_batches) if run.val_batches else []
     await trainer.start()
+    validating = None
+    if run.eval_every_steps and batches:
+        validating = asyncio.create_task(trainer.validate_every(batches, run.eval_every_steps, stop))
     stats = await trainer.run(stop, max_tokens=run.max_tokens)
+    if validating is not None:  # one still under way would compete with the settling and the final pass
+        validating.cancel()
+        await asyncio.gather(validating, return_exceptions=True)
     trained_at = time.time()
     settled = await trainer.wait_settled(trained_at, run.settle_s) if run.settle_s > 0 else None
     val_loss = None
-    if run.val_batches:  # a stop signal ends training; the validation pass still runs (bounded by timeouts)
-        val_loss = await trainer.evaluate(val.fixed_batches(manifest.batch.microbatch_size, run.val_batches))
+    if batches:  # a stop signal ends training; the validation pass still runs (bounded by timeouts)
+        t = time.monotonic()
+        val_loss = await trainer.evaluate(batches)
+        if run.eval_every_steps:  # the end of the curve, on the model the run ended with
+            trainer.stats.val_curve.append({
+                "step": trainer.pipeline_step(), "wall_s": t - trainer.started_monotonic, "tokens": stats.tokens,
+                "val_loss": val_loss, "batches": trainer.val_batches_done, "eval_s": time.monotonic() - t,
+                "step_after": trainer.pipeline_step(), "final": True})
     trainer.close()
     return {"val_loss": val_loss, "stats": asdict(stats), "settled": settled,
             "val_batches_done": trainer.val_batches_done}
@@ -376,6 +392,7 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endp
             "hedges": trainer.router.hedges if trainer.router is not None else 0,
             "hedges_won": trainer.router.hedges_won if trainer.router is not None else 0,
             "loss_curve": out["stats"]["loss_curve"],
+            "val_curve": out["stats"]["val_curve"],  # validation during training (``eval_every_steps``) and at the end
             "started_at": trainer.started_at,  # unix time of the loss curve's wall_s = 0
             "val_loss": out["val_loss"],
             "val_batches_done": out["val_batches_done"],  # validation microbatches that got a loss back

@@ -61,6 +61,8 @@ class TrainerStats:
     tokens: int = 0
     counts: MicrobatchCounts = field(default_factory=MicrobatchCounts)
     loss_curve: list[dict] = field(default_factory=list)  # {tokens, loss, wall_s}
+    # Validation during training (``validate_every``): {step, wall_s, tokens, val_loss, batches, eval_s, step_after}
+    val_curve: list[dict] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -88,7 +90,7 @@ class Trainer:
         self._batches = shard.batches(manifest.batch.microbatch_size, seed=seed) if shard is not None else None
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="trainer-dht")
         self._p2p = None
-        self._t0 = time.monotonic()
+        self.started_monotonic = time.monotonic()  # the zero of the loss and validation curves' ``wall_s``
         self.started_at = time.time()  # wall-clock anchor of the loss curve's ``wall_s`` (merged across processes)
         self._empty_since: dict[int, float] = {}
         self.val_batches_done = 0  # validation microbatches of the last evaluate() that got a loss back
@@ -196,14 +198,14 @@ class Trainer:
     async def _one(self, stop: Optional[asyncio.Event] = None) -> None:
         batch = next(self._batches)
         self.stats.counts.submitted += 1
-        submitted_s = time.monotonic() - self._t0
+        submitted_s = time.monotonic() - self.started_monotonic
         loss = await self.send(batch, stop=stop)
         if loss is None or not math.isfinite(loss):
             self.stats.counts.abandoned += 1
             return
         self.stats.counts.completed += 1
         self.stats.tokens += batch.shape[0] * (batch.shape[1] - 1)
-        self.stats.loss_curve.append({"tokens": self.stats.tokens, "loss": loss, "wall_s": time.monotonic() - self._t0,
+        self.stats.loss_curve.append({"tokens": self.stats.tokens, "loss": loss, "wall_s": time.monotonic() - self.started_monotonic,
                                       "submitted_s": submitted_s})
 
     # ------------------------------------------------------------------ the loop
@@ -254,6 +256,37 @@ class Trainer:
                     return False
                 await asyncio.sleep(0.5)
         return True
+
+    def pipeline_step(self) -> int:
+        """The optimizer step every stage has applied, as last read from the DHT: per stage the lowest step of its
+        serving replicas, and the lowest of those (-1 while a stage has none serving)."""
+        steps = [min((r.step for r in stage if r.state == "serving"), default=-1) for stage in self.swarm]
+        return min(steps, default=-1)
+
+    async def validate_every(self, batches: list[torch.Tensor], every_steps: int, stop: asyncio.Event) -> None:
+        """Until ``stop`` (or cancelled): each time every stage has applied another ``every_steps`` optimizer steps,
+        run ``batches`` through the swarm (forward only, alongside training) and add the loss to ``stats.val_curve``
+        with the step and the time since this trainer started. The step comes from the DHT records (refreshed
+        every second by the training loop), so an evaluation can start a little after its step and, on a slow
+        link, end after the next one: ``step_after`` says which step the stages had reached when it ended."""
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be at least 1, got {every_steps}")
+        done = 0
+        while not stop.is_set():
+            step = self.pipeline_step()
+            if step >= done + every_steps:
+                done = step - step % every_steps
+                t = time.monotonic()
+                loss = await self.evaluate(batches)
+                self.stats.val_curve.append({"step": step, "wall_s": t - self.started_monotonic, "tokens": self.stats.tokens,
+                                             "val_loss": loss, "batches": self.val_batches_done,
+                                             "eval_s": time.monotonic() - t, "step_after": self.pipeline_step()})
+                logger.info(f"validation after step {step}: loss {loss:.4f} ({self.val_batches_done} batches)")
+                continue
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Validation loss through the swarm (forward only, no gradients, no optimizer effect)."""

@@ -35,7 +35,8 @@ from agora.lab import netem
 from agora.lab.cpu_meter import SwarmMeter
 from agora.lab.demo_setup import (LINK_BACKENDS, LinkPlan, LocalAuthority, averaging_section, demo_manifest,
                                   even_split, plan_links)
-from agora.lab.demo_summary import RunRecord, measure_replica_divergence, summarize, timeline_point
+from agora.lab.demo_summary import (RunRecord, measure_replica_divergence, settling_point, summarize,
+                                   timeline_point)
 from agora.lab.processes import Child, Swarm, read_json
 
 logger = logging.getLogger("agora.demo")
@@ -69,6 +70,7 @@ class SwarmShape:
     trainers: int = 1
     in_flight: int = 2  # microbatches each trainer keeps in flight
     val_batches: int = 4  # validation microbatches each trainer runs through the swarm at the end
+    eval_every_steps: int = 0  # also validate on them every this many optimizer steps (0: only at the end)
     threads: int = 1  # torch threads per process
     residual: Optional[str] = None  # "dense" or "subspace": override the preset's boundary compression
     averaging: Optional[str] = None  # replica averaging spec, e.g. "powersgd,rank=8" (see averaging_section)
@@ -85,7 +87,9 @@ class StopRule:
     ``exact_tokens`` (with ``tokens``): the trainers themselves stop at exactly ``tokens`` between them, and
     training ends once the stages have applied every sample (the last partial batch is stepped after the nodes'
     stall time); only then do the trainers validate. The CPU window (``cpu_window`` in the summary) ends there.
-    ``steps`` then only labels the progress: the token count alone ends training."""
+    ``steps`` then only labels the progress: the token count alone ends training. ``exact_tokens`` without
+    ``tokens``: exactly ``steps`` target batches (``agora demo --compare-local``: the centralized run then trains
+    the very same tokens)."""
 
     steps: int = 30
     tokens: Optional[int] = None
@@ -217,6 +221,11 @@ class DemoRun:
         self.options = options
         self.out = Path(options.out)
         self.manifest, self.manifest_path, self.authority, self.operator_key = _write_manifest(options, self.out)
+        if options.stop.exact_tokens and options.stop.tokens is None:
+            b = self.manifest.batch
+            per_step = max(1, b.target_batch_size // b.microbatch_size) * b.microbatch_size * self.manifest.model.seq_len
+            options = self.options = dataclasses.replace(
+                options, stop=dataclasses.replace(options.stop, tokens=options.stop.steps * per_step))
         link = options.link
         self.plan = plan_links(link.mbps, link.latency_ms, link.backend)
         console.print(self.plan.describe())
@@ -269,7 +278,8 @@ class DemoRun:
         for i in range(shape.trainers):
             self.swarm.start_trainer(i, shape.trainers, shape.in_flight, shape.val_batches,
                                      max_tokens=budgets[i] if budgets else None,
-                                     settle_s=SETTLE_TIMEOUT_S if budgets else 0.0)
+                                     settle_s=SETTLE_TIMEOUT_S if budgets else 0.0,
+                                     eval_every_steps=shape.eval_every_steps)
         # The CPU window opens when every trainer has announced itself, right before its training loop: a
         # trainer's start-up (imports, data) is no more training than a node's, or the baseline's model build.
         _wait_for_trainers(self.dht, self.manifest, shape.trainers, self.swarm, timeout=LAYOUT_TIMEOUT_S)
@@ -343,6 +353,9 @@ class DemoRun:
                 swarm = read_swarm(self.dht, self.manifest.run_id, self.manifest.n_stages, self.manifest.hash)
             except TimeoutError:
                 swarm = None
+            if swarm is not None and self.record.timeline:
+                t = time.time() - self.record.t0
+                self.record.timeline.append(settling_point(swarm, self.record.timeline[-1], t))
             in_a_row = in_a_row + 1 if swarm is not None and stages_settled(swarm, since) else 0
             if in_a_row >= 2:
                 return True

@@ -50,6 +50,15 @@ def timeline_point(snap: dict, t: float) -> dict:
     }
 
 
+def settling_point(swarm: list, last: dict, t: float) -> dict:
+    """A timeline point read while the stages settle after the trainers stopped (``swarm``: the stage records
+    per stage): the steps and serving peers as ``timeline_point`` has them, tokens and work as at the ``last``
+    point (the trainers send nothing more), so the last steps of a run are on its timeline too."""
+    serving = [[r for r in stage if r.state == "serving"] for stage in swarm]
+    return {**last, "t": t, "steps": [min([r.step for r in peers] or [0]) for peers in serving],
+            "serving": [len(peers) for peers in serving], "settling": True}
+
+
 def measure_replica_divergence(dht, manifest: Manifest, settle_s: float = 45.0, timeout: float = 60.0) -> dict:
     """Largest |difference| of any parameter between the serving replicas of each stage (trainers stopped).
 
@@ -143,6 +152,10 @@ def summarize(children: list[Child], manifest: Manifest, record: RunRecord, targ
         "tokens_per_s": tokens / wall if wall else 0.0,
         "tokens_per_cpu_s": tokens / max(1e-9, sum(cpu.values())),
         "loss_curve": curve,
+        # Per trainer: its validation during training (``SwarmShape.eval_every_steps``) and at the end, ``wall_s``
+        # from that trainer's start, which was ``started_s`` after the demo's (the timeline's ``t`` counts from there).
+        "val_curves": [{"started_s": t["started_at"] - record.t0 if t.get("started_at") else None,
+                        "points": t.get("val_curve", [])} for t in trainers],
         "first_loss": curve[0]["loss"] if curve else None,
         "final_loss": curve[-1]["loss"] if curve else None,
         "val_loss": sum(val) / len(val) if val else None,

@@ -179,16 +179,18 @@ class Swarm:
         return self._spawn("node", args, stage)
 
     def start_trainer(self, index: int, count: int, in_flight: int, val_batches: int,
-                      max_tokens: Optional[int] = None, settle_s: float = 0.0) -> Child:
+                      max_tokens: Optional[int] = None, settle_s: float = 0.0, eval_every_steps: int = 0) -> Child:
         """Start trainer ``index`` of ``count`` (its data shard ``index/count``); ``max_tokens``: stop after that
         many tokens (None: train until stopped); ``settle_s``: then wait up to that long for the stages to apply
-        them before validating."""
+        them before validating; ``eval_every_steps``: also validate during training (``agora train``)."""
         args = ["--manifest", str(self.manifest_path), "--initial-peers", self.maddr, "--shard", f"{index}/{count}",
                 "--in-flight", str(in_flight), "--val-batches", str(val_batches)]
         if max_tokens is not None:
             args += ["--max-tokens", str(max_tokens)]
         if settle_s > 0:
             args += ["--settle-s", f"{settle_s:g}"]
+        if eval_every_steps:
+            args += ["--eval-every-steps", str(eval_every_steps)]
         return self._spawn("train", args)
 
     def start_dashboard(self, port: int) -> Child:
