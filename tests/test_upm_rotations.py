@@ -204,9 +204,9 @@ def test_ledger_conversions_history_and_conflicts():
     # A sender already in frame 1 (it applied first): converted back into ours with R^T.
     c = ledger.conversion(1)
     assert torch.allclose(c, r2.T)
-    ledger.apply_due(4, None, {})
+    ledger.apply_due(4, {})
     assert ledger.epoch_in == 0  # not due yet
-    ledger.apply_due(5, None, {})
+    ledger.apply_due(5, {})
     assert ledger.epoch_in == 1 and not ledger.due
     assert torch.allclose(ledger.conversion(0), r2)  # a late sender of frame 0: forward
     assert ledger.accept(Rotation(0, 1, 5, r3, "0")) == "applied"

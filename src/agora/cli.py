@@ -273,6 +273,9 @@ def bench_links(
                                                        "preset's)"),
     link_backend: str = typer.Option("auto", help="auto (namespaces + tc tbf when root, else the in-transport "
                                                   "throttle), netns or transport"),
+    repeats: int = typer.Option(1, min=1, help="run every (rate, boundaries) pair this many times (median, min-max)"),
+    reuse: bool = typer.Option(False, help="read finished runs already in OUT with the same settings instead of "
+                                           "running them again (add repeats to an earlier run)"),
 ) -> None:
     """Capped uplinks: time to N optimizer steps and validation loss against wall-clock time, subspace vs dense
     boundaries, with the replicas' averaging rounds counted (JSON, Markdown and a plot)."""
@@ -282,7 +285,7 @@ def bench_links(
         options = LinksOptions(preset=preset, stages=stages, replicas=replicas, in_flight=in_flight,
                                mbps=_listed(mbps, float), boundaries=_listed(boundaries), steps=steps,
                                eval_every=eval_every, val_batches=val_batches, averaging=averaging,
-                               link_backend=link_backend)
+                               link_backend=link_backend, repeats=repeats, reuse=reuse)
         check_links_options(options)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")

@@ -237,24 +237,49 @@ def rotate_input(stage: Stage, r: Tensor, moments: Optional[Moments] = None, v_m
     r = reorthogonalize(r)
     q = lift(stage, r)
     u = stage.basis.double() if stage.subspace else None
-    reads = [block.get_submodule(n).weight for block in stage.layers.values()
-             for n in (*READS_AFTER_INPUT_NORM, *READS_AFTER_POST_NORM)]
-    if stage.spec.is_tail:
-        reads.append(stage.lm_head.weight)
     read_side = _Side.lifted(r, u, q, on_left=False) if u is not None else None
-    for w in reads:
-        _transform(w, None, q, moments, v_mode, weight=_read(w.double(), r, u, q), right_side=read_side)
     dense_write = _Side.lifted(r, u, q, on_left=True) if u is not None else None
-    for block in stage.layers.values():
-        rot = r if block.subspace else q  # a subspace write has k outputs, lifted by U^T after its norm
-        for name in WRITES:
-            _transform(block.get_submodule(name).weight, rot.T, None, moments, v_mode,
-                       left_side=None if block.subspace else dense_write)
-    if stage.spec.is_head:
-        # Z (V x k) in subspace runs, E (V x d) in dense ones: R is that wide.
-        _transform(stage.embed_tokens.weight, None, r, moments, v_mode)
+    params = dict(stage.named_parameters())
+    for name, role in weight_roles(stage):
+        w = params[name]
+        if role == "read":
+            _transform(w, None, q, moments, v_mode, weight=_read(w.double(), r, u, q), right_side=read_side)
+        elif role == "write_k":  # a subspace write has k outputs, lifted by U^T after its norm
+            _transform(w, r.T, None, moments, v_mode)
+        elif role == "write_d":
+            _transform(w, q.T, None, moments, v_mode, left_side=dense_write)
+        else:  # the head's embedding: Z (V x k) in subspace runs, E (V x d) in dense ones; R is that wide
+            _transform(w, None, r, moments, v_mode)
     if stage.boundary_map is not None:  # a new tensor: a forward still in flight keeps the map it ran with
         stage.boundary_map = (r.T @ stage.boundary_map.double()).to(stage.boundary_map.dtype)
+
+
+def weight_roles(stage: Stage) -> list[tuple[str, str]]:
+    """Every parameter that a rotation of the stage's input frame moves (gains aside), by name, with how:
+    ``read`` W <- W Q (a Linear reading the stream, the LM head), ``write_k`` W <- R^T W (a subspace block's
+    write: k outputs), ``write_d`` W <- Q^T W (a dense write), ``embed`` Z <- Z R (the head's embedding). The one
+    walk over a stage's weights that ``rotate_input``, ``input_gradients`` and ``input_weights`` share."""
+    roles = []
+    for layer, block in stage.layers.items():
+        pre = f"layers.{layer}."
+        roles += [(f"{pre}{n}.weight", "read") for n in (*READS_AFTER_INPUT_NORM, *READS_AFTER_POST_NORM)]
+        roles += [(f"{pre}{n}.weight", "write_k" if block.subspace else "write_d") for n in WRITES]
+    if stage.spec.is_tail:
+        roles.append(("lm_head.weight", "read"))
+    if stage.spec.is_head:
+        roles.append(("embed_tokens.weight", "embed"))
+    return roles
+
+
+def _move(role: str, x: Tensor, r: Tensor, u: Optional[Tensor], q: Tensor) -> Tensor:
+    """``x`` (float64, laid out as a parameter of ``role``, see ``weight_roles``) moved as that parameter is."""
+    if role == "read":
+        return _read(x, r, u, q)
+    if role == "write_k":
+        return r.T @ x
+    if role == "write_d":
+        return q.T @ x
+    return x @ r
 
 
 def _read(w: Tensor, r: Tensor, u: Optional[Tensor], q: Tensor) -> Tensor:
@@ -329,19 +354,9 @@ def input_gradients(stage: Stage, grads: dict[str, Optional[Tensor]], r: Tensor,
         for name in reads:
             if out.get(name) is not None:
                 out[name] = out[name].double() / g
-    for layer, block in stage.layers.items():
-        pre = f"layers.{layer}."
-        for n in (*READS_AFTER_INPUT_NORM, *READS_AFTER_POST_NORM):
-            if out.get(pre + n + ".weight") is not None:
-                out[pre + n + ".weight"] = _read(out[pre + n + ".weight"].double(), r, u, q)
-        rot = r if block.subspace else q
-        for n in WRITES:
-            if out.get(pre + n + ".weight") is not None:
-                out[pre + n + ".weight"] = rot.T @ out[pre + n + ".weight"].double()
-    if stage.spec.is_tail and out.get("lm_head.weight") is not None:
-        out["lm_head.weight"] = _read(out["lm_head.weight"].double(), r, u, q)
-    if stage.spec.is_head and out.get("embed_tokens.weight") is not None:
-        out["embed_tokens.weight"] = out["embed_tokens.weight"].double() @ r
+    for name, role in weight_roles(stage):
+        if out.get(name) is not None:
+            out[name] = _move(role, out[name].double(), r, u, q)
     return {n: (v.to(grads[n].dtype) if v is not None and grads.get(n) is not None else v) for n, v in out.items()}
 
 
@@ -356,15 +371,11 @@ def input_weights(stage: Stage, weights: dict[str, Tensor], r: Tensor, gains: di
     for gain, reads in gain_groups(stage):
         g = gains.get(gain, torch.ones(1, dtype=torch.float64))
         for name in reads:
-            out[name] = _read(out[name] * g, r, u, q)
+            out[name] = out[name] * g
         out[gain] = out[gain] / g
-    for layer, block in stage.layers.items():
-        rot = r if block.subspace else q
-        for n in WRITES:
-            name = f"layers.{layer}.{n}.weight"
-            out[name] = rot.T @ out[name]
-    if stage.spec.is_head and "embed_tokens.weight" in out:
-        out["embed_tokens.weight"] = out["embed_tokens.weight"] @ r
+    for name, role in weight_roles(stage):
+        if name in out:
+            out[name] = _move(role, out[name], r, u, q)
     return {n: v.to(weights[n].dtype) for n, v in out.items()}
 
 

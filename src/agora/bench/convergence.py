@@ -160,7 +160,9 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
             # UPM rows: rotations applied on the first boundary (the head's output frame epoch, max over replicas)
             "rotations": max([int((n.get("upm") or {}).get("epoch_out") or 0) for n in nodes
                               if n.get("stage") == 0] or [0]),
-            "tokens_per_s": s["tokens"] / s["wall_s"] if s.get("wall_s") else None,
+            # Over the training window (every trainer announced .. the stages applied the last sample), as in
+            # ``bench efficiency``: start-up, validation and shutdown differ between rows for reasons of their own.
+            "tokens_per_s": s["tokens"] / window if (window := (s.get("cpu_window") or {}).get("seconds")) else None,
             "curve": [[p["tokens"], p["loss"]] for p in s["loss_curve"]]}
 
 
@@ -207,8 +209,8 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
         return f"{v['median']:{spec}} ({v['min']:{spec}}-{v['max']:{spec}})"
 
     table = markdown_table(
-        ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage", "tokens/s",
-         "rotations"],
+        ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage",
+         "tokens/s (training window)", "rotations"],
         [[name, len(r["seeds"]), fmt(r["val_loss"], ".4f"), fmt(r["loss_ratio"], ".4f"),
           "" if r["target"] is None else f"<= {r['target']:g}", "" if r["met"] is None else ("yes" if r["met"] else "NO"),
           f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"],

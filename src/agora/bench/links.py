@@ -13,6 +13,8 @@ tensor RPCs. The result records which one ran and why. Why it exists and what it
 
 from __future__ import annotations
 
+import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -44,6 +46,8 @@ class LinksOptions:
     averaging: Optional[str] = None
     link_backend: str = "auto"
     timeout_s: float = 3600.0
+    repeats: int = 1
+    reuse: bool = False  # read runs already in OUT with the same settings instead of running them again
 
 
 def run(out: Path, options: Optional[LinksOptions] = None, log: Callable[[str], None] = print) -> dict:
@@ -56,27 +60,32 @@ def run(out: Path, options: Optional[LinksOptions] = None, log: Callable[[str], 
     b = manifest.batch
     tokens = opts.steps * max(1, b.target_batch_size // b.microbatch_size) * b.microbatch_size * manifest.model.seq_len
     rows = []
-    for mbps in opts.mbps:
-        for residual in opts.boundaries:
-            log(f"[links] {residual} boundaries, every uplink at {mbps:g} Mbit/s ({plan.backend}): "
-                f"{opts.steps} steps, {tokens} tokens")
-            folder = out / f"{residual}-{mbps:g}mbit"
-            summary = run_demo(DemoOptions(
-                out=folder,
-                shape=SwarmShape(preset=opts.preset, stages=opts.stages, replicas=opts.replicas,
-                                 in_flight=opts.in_flight, residual=residual, averaging=opts.averaging,
-                                 val_batches=opts.val_batches, eval_every_steps=opts.eval_every),
-                stop=StopRule(steps=opts.steps, tokens=tokens, exact_tokens=True, timeout=opts.timeout_s),
-                link=LinkOptions(mbps=mbps, backend=plan.backend), live=False, sample_tokens=0))
-            row = run_row(summary, folder, opts.steps)
-            rows.append({"boundaries": residual, "mbps": mbps, **row})
-            log(f"[links] {residual} at {mbps:g} Mbit/s: {opts.steps} steps in {_fmt(row['time_to_steps_s'])} s, "
-                f"validation loss {_fmt(row['val_loss'])}, averaging rounds ok/failed "
-                f"{row['rounds_ok']}/{row['rounds_failed']}, local steps {row['local_steps']}")
+    for repeat in range(1, opts.repeats + 1):
+        for mbps in opts.mbps:
+            for residual in opts.boundaries:
+                folder = out / (f"{residual}-{mbps:g}mbit" + (f"-r{repeat}" if repeat > 1 else ""))
+                summary = _reused(folder, opts, residual, mbps, plan.backend, log) if opts.reuse else None
+                if summary is None:
+                    log(f"links: repeat {repeat}, {residual} boundaries, every uplink at {mbps:g} Mbit/s "
+                        f"({plan.backend}): {opts.steps} steps, {tokens} tokens")
+                    summary = run_demo(DemoOptions(
+                        out=folder,
+                        shape=SwarmShape(preset=opts.preset, stages=opts.stages, replicas=opts.replicas,
+                                         in_flight=opts.in_flight, residual=residual, averaging=opts.averaging,
+                                         val_batches=opts.val_batches, eval_every_steps=opts.eval_every),
+                        stop=StopRule(steps=opts.steps, tokens=tokens, exact_tokens=True, timeout=opts.timeout_s),
+                        link=LinkOptions(mbps=mbps, backend=plan.backend), live=False, sample_tokens=0))
+                    (folder / RUN_KEY_FILE).write_text(json.dumps(run_key(opts, residual, mbps, plan.backend)))
+                row = run_row(summary, folder, opts.steps)
+                rows.append({"boundaries": residual, "mbps": mbps, "repeat": repeat, **row})
+                log(f"links: {residual} at {mbps:g} Mbit/s: {opts.steps} steps in {_fmt(row['time_to_steps_s'])} s, "
+                    f"validation loss {_fmt(row['val_loss'])}, averaging rounds ok/failed "
+                    f"{row['rounds_ok']}/{row['rounds_failed']}, local steps {row['local_steps']}")
     result = {"preset": opts.preset, "stages": opts.stages, "replicas": opts.replicas, "in_flight": opts.in_flight,
               "steps": opts.steps, "tokens": tokens, "eval_every": opts.eval_every, "val_batches": opts.val_batches,
               "averaging": manifest.averaging.model_dump(mode="json"), "link_backend": plan.backend,
-              "link_backend_reason": plan.reason, "rows": rows}
+              "link_backend_reason": plan.reason, "repeats": opts.repeats, "rows": rows,
+              "summary": summarize_rows(rows)}
     plot(out / "links.png", rows, opts)
     md = markdown(result)
     write_result(out, "links", result, md)
@@ -84,11 +93,58 @@ def run(out: Path, options: Optional[LinksOptions] = None, log: Callable[[str], 
     return result
 
 
+RUN_KEY_FILE = "links_run.json"  # in each run's folder: the settings it ran with (``--reuse`` compares them)
+
+
+def run_key(opts: LinksOptions, residual: str, mbps: float, backend: str) -> dict:
+    """Everything that makes two runs the same experiment."""
+    return {"preset": opts.preset, "stages": opts.stages, "replicas": opts.replicas, "in_flight": opts.in_flight,
+            "steps": opts.steps, "eval_every": opts.eval_every, "val_batches": opts.val_batches,
+            "averaging": opts.averaging, "boundaries": residual, "mbps": mbps, "link_backend": backend}
+
+
+def _reused(folder: Path, opts: LinksOptions, residual: str, mbps: float, backend: str,
+            log: Callable[[str], None]) -> Optional[dict]:
+    """A finished run already in ``folder`` with exactly these settings (its summary), else None."""
+    try:
+        key = json.loads((folder / RUN_KEY_FILE).read_text())
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if key != run_key(opts, residual, mbps, backend) or not summary.get("finished"):
+        return None
+    log(f"links: reusing the run in {folder}")
+    return summary
+
+
+def summarize_rows(rows: list[dict]) -> list[dict]:
+    """Per (boundaries, rate) over its repeats: median, min and max of the time to the last step (runs whose
+    slowest replica never got there counted apart), of tokens/s and of the final validation loss."""
+    out = []
+    for key in dict.fromkeys((r["boundaries"], r["mbps"]) for r in rows):
+        mine = [r for r in rows if (r["boundaries"], r["mbps"]) == key]
+
+        def spread(name: str) -> Optional[dict]:
+            values = [r[name] for r in mine if r[name] is not None]
+            if not values:
+                return None
+            return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+        out.append({"boundaries": key[0], "mbps": key[1], "runs": len(mine),
+                    "never_every_replica": sum(r["time_to_steps_s"] is None for r in mine),
+                    "time_to_steps_s": spread("time_to_steps_s"),
+                    "time_to_steps_any_replica_s": spread("time_to_steps_any_replica_s"),
+                    "tokens_per_s": spread("tokens_per_s"), "val_loss": spread("val_loss"),
+                    "rounds_ok": sum(r["rounds_ok"] for r in mine), "rounds_failed": sum(r["rounds_failed"] for r in mine),
+                    "local_steps": sum(r["local_steps"] for r in mine)})
+    return out
+
+
 def check_links_options(opts: LinksOptions) -> None:
     """ValueError naming what is wrong with ``opts``."""
-    if opts.steps < 1 or opts.eval_every < 1 or opts.val_batches < 1:
-        raise ValueError(f"steps, eval_every and val_batches must be at least 1, got {opts.steps}, "
-                         f"{opts.eval_every}, {opts.val_batches}")
+    if opts.steps < 1 or opts.eval_every < 1 or opts.val_batches < 1 or opts.repeats < 1:
+        raise ValueError(f"steps, eval_every, val_batches and repeats must be at least 1, got {opts.steps}, "
+                         f"{opts.eval_every}, {opts.val_batches}, {opts.repeats}")
     if not opts.mbps or any(not 0 < m < 1e5 for m in opts.mbps):
         raise ValueError(f"link rates must be in (0, 1e5) Mbit/s, got {list(opts.mbps)}")
     bad = [x for x in opts.boundaries if x not in BOUNDARIES]
@@ -96,12 +152,13 @@ def check_links_options(opts: LinksOptions) -> None:
         raise ValueError(f"boundaries must be among {list(BOUNDARIES)}, got {list(opts.boundaries)}")
 
 
-def step_times(timeline: list[dict], zero_s: float, steps: int) -> list[Optional[float]]:
+def step_times(timeline: list[dict], zero_s: float, steps: int, key: str = "steps") -> list[Optional[float]]:
     """Seconds from ``zero_s`` (on the demo's clock) to the first status read at which every stage's slowest
-    serving replica had taken step k, for k = 1..``steps`` (None: never seen)."""
+    serving replica (``key="steps_max"``: its most advanced one) had taken step k, for k = 1..``steps`` (None:
+    never seen)."""
     times: list[Optional[float]] = [None] * steps
     for point in timeline:
-        reached = min(point["steps"], default=0)
+        reached = min(point.get(key, point["steps"]), default=0)
         for k in range(1, min(reached, steps) + 1):
             if times[k - 1] is None:
                 times[k - 1] = point["t"] - zero_s
@@ -114,6 +171,13 @@ def run_row(summary: dict, folder: Path, steps: int) -> dict:
     curves = summary.get("val_curves") or [{}]
     zero = curves[0].get("started_s") or summary.get("train_started_s") or 0.0
     times = step_times(summary["timeline"], zero, steps)
+    # Replicas of a stage can fall steps apart (failed rounds, then local steps): when the slowest never gets there,
+    # the time at which some replica of every stage did is the other honest reading.
+    times_any = step_times(summary["timeline"], zero, steps, key="steps_max")
+    by_stage: dict[int, list[int]] = {}
+    for n in summary["nodes"]:
+        if n.get("stage") is not None and n.get("step") is not None:
+            by_stage.setdefault(int(n["stage"]), []).append(int(n["step"]))
     nodes = summary["nodes"]
     val_points = [{"step": p["step"], "wall_s": p["wall_s"], "val_loss": p["val_loss"], "batches": p["batches"],
                    "eval_s": p["eval_s"], "final": bool(p.get("final"))} for p in trainer.get("val_curve", [])]
@@ -123,6 +187,9 @@ def run_row(summary: dict, folder: Path, steps: int) -> dict:
         "tokens": trainer["tokens"],
         "time_to_step_s": times,
         "time_to_steps_s": done,
+        "time_to_steps_any_replica_s": times_any[-1],
+        # Per stage, the slowest and the most advanced replica's step when it left (its own summary).
+        "final_steps": [[min(v), max(v)] for _, v in sorted(by_stage.items())],
         "tokens_per_s": trainer["tokens"] / done if done else None,  # training window: trainer start to step N
         "val_loss": trainer.get("val_loss"),  # on the model after every step, at exactly the run's tokens
         "val_curve": val_points,
@@ -148,33 +215,57 @@ def _fmt(v: Optional[float]) -> str:
 def markdown(result: dict) -> str:
     rows = []
     for r in result["rows"]:
-        rows.append([r["boundaries"], f"{r['mbps']:g} Mbit/s", _fmt(r["time_to_steps_s"]), _fmt(r["tokens_per_s"]),
+        apart = [f"stage {i}: {lo}-{hi}" for i, (lo, hi) in enumerate(r["final_steps"]) if lo != hi]
+        never = "never (replicas' steps " + ", ".join(apart) + ")" if apart else "never"
+        rows.append([r["boundaries"], f"{r['mbps']:g} Mbit/s", r["repeat"],
+                     _fmt(r["time_to_steps_s"]) if r["time_to_steps_s"] is not None else never,
+                     _fmt(r["time_to_steps_any_replica_s"]), _fmt(r["tokens_per_s"]),
                      _fmt(r["val_loss"]),
                      ", ".join(f"{p['step']}: {p['val_loss']:.3f} @ {p['wall_s']:.0f}s" for p in r["val_curve"]),
                      f"{r['rounds_ok']} / {r['rounds_failed']}", r["local_steps"], r["resyncs"],
                      f"{r['averaging_bytes_sent'] / 1e6:.1f}"])
-    table = markdown_table(["boundaries", "uplink", f"s to {result['steps']} steps", "tokens/s", "final val loss",
+    table = markdown_table(["boundaries", "uplink", "repeat", f"s to {result['steps']} steps (every replica)",
+                            "(some replica of each stage)", "tokens/s", "final val loss",
                             "validation (step: loss @ s)", "averaging rounds ok / failed", "local steps",
                             "state re-downloads", "averaging MB sent"], rows)
     return (f"`{result['preset']}`, {result['stages']} stages x {result['replicas']} replicas, one trainer with "
             f"{result['in_flight']} microbatches in flight, {result['tokens']} tokens ({result['steps']} steps) per run; "
             f"link backend {result['link_backend']} ({result['link_backend_reason']}). Times count from the "
             f"trainer's start; validation on {result['val_batches']} held-out microbatches every "
-            f"{result['eval_every']} steps (while training goes on) and at the end.\n\n{table}\n\n![](links.png)\n")
+            f"{result['eval_every']} steps (while training goes on) and at the end.\n\n{table}\n\n"
+            f"{_summary_markdown(result)}![](links.png)\n")
+
+
+def _summary_markdown(result: dict) -> str:
+    """Median (min-max) per (boundaries, rate) over the repeats; empty with one repeat."""
+    if result["repeats"] < 2:
+        return ""
+
+    def spread(v: Optional[dict]) -> str:
+        return "-" if v is None else f"{v['median']:.4g} ({v['min']:.4g}-{v['max']:.4g}, n={v['n']})"
+
+    table = markdown_table(
+        ["boundaries", "uplink", "runs", f"s to {result['steps']} steps, every replica", "runs where never",
+         "some replica of each stage", "tokens/s", "final val loss", "rounds ok / failed", "local steps"],
+        [[v["boundaries"], f"{v['mbps']:g} Mbit/s", v["runs"], spread(v["time_to_steps_s"]), v["never_every_replica"],
+          spread(v["time_to_steps_any_replica_s"]), spread(v["tokens_per_s"]), spread(v["val_loss"]),
+          f"{v['rounds_ok']} / {v['rounds_failed']}", v["local_steps"]] for v in result["summary"]])
+    return f"Median (min-max) over the repeats:\n\n{table}\n\n"
 
 
 def plot(path: Path, rows: list[dict], opts: LinksOptions) -> None:
     """Left: validation loss (markers) and training loss (thin) against wall-clock time; right: optimizer steps
-    every stage has taken against wall-clock time. One colour per run."""
+    every stage has taken against wall-clock time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for i, r in enumerate(rows):
-        colour = f"C{i}"
-        label = f"{r['boundaries']}, {r['mbps']:g} Mbit/s"
+    colours = {k: f"C{i}" for i, k in enumerate(dict.fromkeys((r["boundaries"], r["mbps"]) for r in rows))}
+    for r in rows:  # one colour per (boundaries, rate); repeats share it, the first one labelled
+        colour = colours[(r["boundaries"], r["mbps"])]
+        label = f"{r['boundaries']}, {r['mbps']:g} Mbit/s" if r.get("repeat", 1) == 1 else None
         if r["loss_curve"]:
             xs, ys = zip(*r["loss_curve"])
             left.plot(xs, ys, color=colour, linewidth=0.6, alpha=0.5)

@@ -44,6 +44,7 @@ def timeline_point(snap: dict, t: float) -> dict:
         "tokens": snap["tokens"],
         "completed": int(snap["microbatches"].get("completed", 0)),
         "steps": [min([p["step"] for p in peers] or [0]) for peers in serving],
+        "steps_max": [max([p["step"] for p in peers] or [0]) for peers in serving],  # the most advanced replica's
         "serving": [len(peers) for peers in serving],
         "work": [{p["short_id"]: int((p.get("metrics") or {}).get("forward", 0)) for p in st["peers"]}
                  for st in snap["stages"]],
@@ -56,6 +57,7 @@ def settling_point(swarm: list, last: dict, t: float) -> dict:
     point (the trainers send nothing more), so the last steps of a run are on its timeline too."""
     serving = [[r for r in stage if r.state == "serving"] for stage in swarm]
     return {**last, "t": t, "steps": [min([r.step for r in peers] or [0]) for peers in serving],
+            "steps_max": [max([r.step for r in peers] or [0]) for peers in serving],
             "serving": [len(peers) for peers in serving], "settling": True}
 
 

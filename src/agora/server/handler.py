@@ -177,13 +177,16 @@ class StageHandler:
     async def admit_caller(self, sender: str, meta: dict) -> None:
         """Who may call, from a request's header (before its payload is read): certified (allow-listed runs), not banned, within its rate, and
         addressing this run, manifest and stage while we serve. Every RPC that computes goes through it."""
-        node = self.node
-        await self.authorize(sender)
-        if sender in node.banned_peers():
-            raise self.reject("banned", f"peer {sender} is banned here for sending corrupted messages")
-        if not node.limiter.allow(sender):
-            raise self.reject("rate_limited", f"more than {node.opts.rate_limit_per_s:.0f} calls/s from {sender}")
+        await self.admit_identity(sender)
         self.check_addressed(meta)
+
+    async def admit_identity(self, sender: str) -> None:
+        """The caller alone, whatever it addresses: certified (allow-listed runs), not banned, within its rate."""
+        await self.authorize(sender)
+        if sender in self.node.banned_peers():
+            raise self.reject("banned", f"peer {sender} is banned here for sending corrupted messages")
+        if not self.node.limiter.allow(sender):
+            raise self.reject("rate_limited", f"more than {self.node.opts.rate_limit_per_s:.0f} calls/s from {sender}")
 
     def check_size(self, announced_bytes: int, limit: int, what: str) -> None:
         if announced_bytes > limit:
@@ -219,13 +222,9 @@ class StageHandler:
         self.check_size(announced_bytes, 0, "info request")
 
     async def admit_frame(self, meta: dict, announced_bytes: int, caller: PeerID) -> None:
-        """A UPM rotation: a certified caller (allow-listed runs), not banned, and one float64 n x n matrix."""
-        sender = str(caller)
-        await self.authorize(sender)
-        if sender in self.node.banned_peers():
-            raise self.reject("banned", f"peer {sender} is banned here for sending corrupted messages")
-        if not self.node.limiter.allow(sender):
-            raise self.reject("rate_limited", f"more than {self.node.opts.rate_limit_per_s:.0f} calls/s from {sender}")
+        """A UPM rotation: ``admit_identity`` (a rotation addresses a boundary, not this stage: ``Rotations``
+        checks that), and no more than one float64 n x n matrix."""
+        await self.admit_identity(str(caller))
         m = self.manifest
         n = m.residual.k if m.residual.mode == "subspace" else m.model.d_model
         self.check_size(announced_bytes, 8 * n * n + 4096, "rotation")

@@ -630,7 +630,7 @@ class StageRuntime:
             return
         applied = self.frames.applied
         named = dict(self.stage.named_parameters())
-        moved = self.frames.apply_due(self.step, self._moments, {n: p.grad for n, p in named.items()})
+        moved = self.frames.apply_due(self.step, {n: p.grad for n, p in named.items()})
         if self.frames.applied != applied:
             for name, p in named.items():
                 p.grad = moved[name]

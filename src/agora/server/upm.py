@@ -111,7 +111,7 @@ class FrameLedger:
         return sorted(self.due.values(), key=lambda r: (r.boundary, r.epoch))
 
     # ------------------------------------------------------------------ applying them (after an optimizer step)
-    def apply_due(self, step: int, moments, grads: dict[str, Optional[Tensor]]) -> dict[str, Optional[Tensor]]:
+    def apply_due(self, step: int, grads: dict[str, Optional[Tensor]]) -> dict[str, Optional[Tensor]]:
         """Apply every due rotation whose step has come (``step``: the step just taken); ``grads``: the gradients
         accumulated toward the next step (by parameter name), returned in the new frame. Returns ``grads`` as is
         when nothing was due."""
@@ -132,7 +132,7 @@ class FrameLedger:
             else:
                 gains = current_gains(self.stage)
                 grads = input_gradients(self.stage, grads, rot.r, gains)
-                rotate_input(self.stage, rot.r, moments, self.v_mode)
+                rotate_input(self.stage, rot.r, self.moments, self.v_mode)
                 self.epoch_in = rot.epoch
                 self.r_in[rot.epoch], self.gains_in[rot.epoch] = rot.r, gains
             self.applied += 1

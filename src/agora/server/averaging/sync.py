@@ -705,14 +705,17 @@ class ReplicaSync:
         c, rt = self.ctx, self.ctx.runtime
         t0 = time.monotonic()
         samples, grads = await c.run_compute(rt.take_gradients, self.gradient_dtype)
+        t_taken = time.monotonic()
         averaged, group = await self._group_average(samples, grads, n_others) if n_others > 0 else (None, 1)
         local = averaged is None
         if local:
             averaged = await c.run_compute(self._not_averaged, grads, n_others == 0)
         if self.tied is not None:  # the other end's gradient of a tied embedding joins ours
             averaged = await self.tied.offer_and_fetch(rt.step, averaged)
+        t_averaged = time.monotonic()
         scale = await self.clipper.scale(rt.step, averaged)  # the global-norm clipping factor (None: our own)
         hold = await self.warmup_brake.hold(rt.step)
+        t_clipped = time.monotonic()
 
         def step() -> None:
             rt.apply_step([g.float() for g in averaged], clip_scale=scale, hold_warmup=hold)
@@ -725,9 +728,15 @@ class ReplicaSync:
             self.local_steps += 1
         self._step_taken()
         dt = time.monotonic() - t0
+        # Where a round's time went: waiting for the compute thread to hand over the gradients, the group's
+        # all-reduce (matchmaking included), the stages' global norm (clipping) and the step itself.
+        phases = {"take_s": t_taken - t0, "average_s": t_averaged - t_taken, "clip_s": t_clipped - t_averaged,
+                  "step_s": time.monotonic() - t_clipped}
         c.observers.emit("round", n_others == 0 or group > 1, dt, group)
-        c.log_event("step", step=rt.step, samples=samples, group=group, seconds=dt, stalled=stalled)
-        logger.info(f"stage {c.stage_index}: step {rt.step} ({samples} local samples, group of {group}, {dt:.2f}s)")
+        c.log_event("step", step=rt.step, samples=samples, group=group, seconds=dt, stalled=stalled,
+                    **{k: round(v, 3) for k, v in phases.items()})
+        logger.info(f"stage {c.stage_index}: step {rt.step} ({samples} local samples, group of {group}, {dt:.2f}s: "
+                    + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in phases.items()) + ")")
         await self.warmup_brake.publish()
         await c.announce()
 
