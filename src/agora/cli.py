@@ -241,20 +241,16 @@ def bench_efficiency(
     stages: int = typer.Option(3), replicas: int = typer.Option(2),
     repeats: int = typer.Option(3, min=1, help="run the centralized/swarm pair this many times (median, min-max)"),
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
-    link_mbps: Optional[float] = typer.Option(None, help="also run capped-link swarms (dense vs subspace) at this rate"),
-    capped_steps: Optional[int] = typer.Option(None, help="steps of each capped-link run (default: --steps)"),
-    link_backend: str = typer.Option("auto", help="capped runs: auto (namespaces + tc tbf when root, else the "
-                                                  "in-transport throttle), netns or transport"),
     averaging: Optional[str] = typer.Option(None, help="replica averaging of the swarm runs: full, powersgd or sparse, "
                                                        "optionally with settings: 'powersgd,rank=8', "
                                                        "'sparse,every=5,rho=0.05' (default: the preset's)"),
 ) -> None:
     """Swarm vs centralized on equal tokens: tokens per CPU-second of the training window (every process of the
-    swarm), wall tokens/s and validation loss on the same held-out batches; median and min-max over the repeats."""
+    swarm), wall tokens/s and validation loss on the same held-out batches; median and min-max over the repeats.
+    Capped links: ``agora bench links``."""
     from agora.bench.efficiency import EfficiencyOptions, run
 
     run(out, EfficiencyOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
-                               link_mbps=link_mbps, capped_steps=capped_steps, link_backend=link_backend,
                                averaging=averaging, repeats=repeats), log=console.print)
 
 

@@ -12,11 +12,9 @@ client, hivemind's DHT and averager processes, every p2pd -- before anything is 
 Reported per repeat and as median with min-max: tokens per CPU-second and their ratio, validation loss and its
 ratio; per role and per kind of process, with a compute / averaging / daemons / other breakdown.
 
-With ``link_mbps``, the swarm runs again with every peer's uplink capped, once with subspace and once with dense
-boundaries, to show what compression does to throughput on slow links. The cap is kernel-enforced (each peer in its
-own network namespace, ``tc tbf``, hivemind's DHT and averaging traffic capped too) when running as root with
-namespaces, else the in-transport throttle (tensor RPCs only); ``link_backend`` can force either, and the JSON
-records which one ran and why, since the two are not the same experiment.
+Over capped links, compare training speed with ``agora bench links`` (time to N optimizer steps, validation loss
+against wall-clock time); this benchmark once ran capped swarms too and reported their tokens/s through the
+pipeline, which is not training speed.
 
 All runs share the machine's cores, so the pooled CPU-second ratio is the fair efficiency figure; wall-clock
 numbers are reported too but depend on how many processes compete for two cores.
@@ -31,8 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
-from agora.lab.demo import (DemoOptions, LinkOptions, LinkPlan, StopRule, SwarmShape, demo_manifest, plan_links,
-                             run_demo)
+from agora.lab.demo import DemoOptions, StopRule, SwarmShape, demo_manifest, run_demo
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
@@ -42,17 +39,13 @@ class EfficiencyOptions:
     """The compared runs: ``preset`` trained ``steps`` optimizer steps' worth of tokens, the swarm as ``stages x
     replicas`` stage nodes and one trainer keeping ``in_flight`` microbatches in flight, replicas averaged as
     ``averaging`` (a spec, None: the preset's); both arms validated on the same ``val_batches`` held-out
-    microbatches; the pair run ``repeats`` times. With ``link_mbps``, also the capped-link runs (``capped_steps``
-    steps each, default ``steps``) with the link backend ``link_backend`` (auto, netns or transport)."""
+    microbatches; the pair run ``repeats`` times."""
 
     preset: str = "small"
     steps: int = 20
     stages: int = 3
     replicas: int = 2
     in_flight: int = 4
-    link_mbps: Optional[float] = None
-    capped_steps: Optional[int] = None
-    link_backend: str = "auto"
     averaging: Optional[str] = None
     repeats: int = 3
     val_batches: int = 4
@@ -61,42 +54,17 @@ class EfficiencyOptions:
 SWARM_TIMEOUT_S = 3600  # each swarm run gives up after this long
 
 
-def capped_runs(out: Path, options: EfficiencyOptions, backend: str, log: Callable[[str], None] = print) -> dict:
-    """The swarm with every peer's link capped at ``options.link_mbps``, once with subspace and once with dense
-    boundaries; ``backend``: the link backend already planned (see :func:`agora.lab.demo.plan_links`).
-
-    No validation pass: only throughput is compared, and at a few Mbit/s a dense trainer's last validation
-    microbatches outlast the demo's stop window (it is then killed and its token count lost).
-    """
-    link_mbps = options.link_mbps
-    capped = {}
-    for residual in ("subspace", "dense"):
-        log(f"[efficiency] swarm, {residual} boundaries, links capped at {link_mbps:g} Mbit/s ({backend})")
-        s = run_demo(DemoOptions(
-            out=Path(out) / f"swarm-{residual}-{link_mbps:g}mbit",
-            shape=_swarm_shape(options, residual=residual, val_batches=0),
-            stop=StopRule(steps=options.capped_steps or options.steps, timeout=SWARM_TIMEOUT_S),
-            link=LinkOptions(mbps=link_mbps, backend=backend), live=False))
-        capped[residual] = {"tokens_per_s": s["tokens_per_s"], "tokens": s["tokens"], "wall_s": s["wall_s"],
-                            "finished": s["finished"], "bytes_per_boundary": s["bytes_per_boundary"],
-                            "link_backend": s["link"]["backend"], "rounds_ok": s["rounds_ok"],
-                            "rounds_failed": s["rounds_failed"]}
-    return capped
-
-
 def run(out: Path, options: Optional[EfficiencyOptions] = None, log: Callable[[str], None] = print) -> dict:
-    """``repeats`` x (centralized, then the swarm on the same tokens), then (with ``link_mbps``) the capped-link
-    swarms; writes ``OUT/result.json`` and ``OUT/result.md``."""
+    """``repeats`` x (centralized, then the swarm on the same tokens); writes ``OUT/result.json`` and ``OUT/result.md``."""
     opts = options or EfficiencyOptions()
     if opts.repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {opts.repeats}")
     out = Path(out)
-    plan = plan_links(opts.link_mbps, 0.0, opts.link_backend) if opts.link_mbps is not None else None  # fail early
     manifest = demo_manifest(opts.preset, opts.stages, averaging=opts.averaging)
     scheme = _scheme_label(manifest.averaging)
     cores = os.cpu_count() or 1
     budget = opts.steps * _tokens_per_step(manifest)
-    runs, swarm = [], {}
+    runs = []
     for i in range(opts.repeats):
         folder = out / f"repeat{i + 1}"
         log(f"[efficiency] repeat {i + 1}/{opts.repeats}: centralized: {opts.preset}, {opts.steps} steps "
@@ -114,8 +82,6 @@ def run(out: Path, options: Optional[EfficiencyOptions] = None, log: Callable[[s
               "in_flight": opts.in_flight, "cores": cores, "repeats": opts.repeats, "val_batches": opts.val_batches,
               "averaging": manifest.averaging.model_dump(mode="json"), "runs": runs, "summary": summarize_runs(runs)}
     md = _comparison_markdown(runs, result["summary"], scheme)
-    if plan is not None:
-        md += _add_capped_runs(out, opts, plan, swarm, result, log)
     write_result(out, "efficiency", result, md)
     log(md)
     return result
@@ -171,9 +137,9 @@ def summarize_runs(runs: list[dict]) -> dict:
     return out
 
 
-def _swarm_shape(opts: EfficiencyOptions, residual: Optional[str] = None, val_batches: int = 4) -> SwarmShape:
+def _swarm_shape(opts: EfficiencyOptions, val_batches: int = 4) -> SwarmShape:
     return SwarmShape(preset=opts.preset, stages=opts.stages, replicas=opts.replicas, in_flight=opts.in_flight,
-                      residual=residual, averaging=opts.averaging, val_batches=val_batches)
+                      averaging=opts.averaging, val_batches=val_batches)
 
 
 def _scheme_label(a) -> str:
@@ -227,19 +193,3 @@ def _per_role_table(window: dict) -> str:
     rows = [[role, *[round(k.get(kind, 0.0), 2) for kind in kinds], round(compute.get(role, 0.0), 2),
              round(sum(k.values()), 2)] for role, k in sorted(by_process.items())]
     return markdown_table(["role", *kinds, "of main: compute thread", "total"], rows)
-
-
-def _add_capped_runs(out: Path, opts: EfficiencyOptions, plan: LinkPlan, swarm: dict, result: dict,
-                     log: Callable[[str], None]) -> str:
-    """Run the capped-link swarms, add them to ``result`` (compared with the uncapped ``swarm``) and return
-    their Markdown table."""
-    capped = capped_runs(out, opts, plan.backend, log=log)
-    for v in capped.values():
-        v["vs_uncapped_swarm"] = v["tokens_per_s"] / swarm["tokens_per_s"]
-    result["capped"] = {"link_mbps": opts.link_mbps, "link_backend": plan.backend, "link_backend_reason": plan.reason,
-                        **capped}
-    return "\n" + markdown_table(
-        ["boundaries", "link", "backend", "tokens/s", "vs uncapped swarm"],
-        [[k, f"{opts.link_mbps:g} Mbit/s", v["link_backend"], v["tokens_per_s"], f"{v['vs_uncapped_swarm']:.3f}"]
-         for k, v in capped.items()],
-    ) + "\n"
