@@ -349,13 +349,9 @@ async def _train(trainer: Trainer, val, manifest: Manifest, run: TrainerRun) -> 
     settled = await trainer.wait_settled(trained_at, run.settle_s) if run.settle_s > 0 else None
     val_loss = None
     if batches:  # a stop signal ends training; the validation pass still runs (bounded by timeouts)
-        t = time.monotonic()
-        val_loss = await trainer.evaluate(batches)
-        if run.eval_every_steps:  # the end of the curve, on the model the run ended with
-            trainer.stats.val_curve.append({
-                "step": trainer.pipeline_step(), "wall_s": t - trainer.started_monotonic, "tokens": stats.tokens,
-                "val_loss": val_loss, "batches": trainer.val_batches_done, "eval_s": time.monotonic() - t,
-                "step_after": trainer.pipeline_step(), "final": True})
+        # With a curve, its last point: the model the run ended with.
+        val_loss = await (trainer.validate_point(batches, final=True) if run.eval_every_steps
+                          else trainer.evaluate(batches))
     trainer.close()
     return {"val_loss": val_loss, "stats": asdict(stats), "settled": settled,
             "val_batches_done": trainer.val_batches_done}

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 from agora.bench.common import markdown_table, write_result
 from agora.lab.demo import DemoOptions, StopRule, SwarmShape, demo_manifest, run_demo
 from agora.lab.demo_summary import trainer_summaries
-from agora.lab.train_local import train_local
+from agora.lab.train_local import tokens_per_step, train_local
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def run(out: Path, options: Optional[EfficiencyOptions] = None, log: Callable[[s
     manifest = demo_manifest(opts.preset, opts.stages, averaging=opts.averaging)
     scheme = _scheme_label(manifest.averaging)
     cores = os.cpu_count() or 1
-    budget = opts.steps * _tokens_per_step(manifest)
+    budget = opts.steps * tokens_per_step(manifest)
     runs = []
     for i in range(opts.repeats):
         folder = out / f"repeat{i + 1}"
@@ -85,12 +85,6 @@ def run(out: Path, options: Optional[EfficiencyOptions] = None, log: Callable[[s
     write_result(out, "efficiency", result, md)
     log(md)
     return result
-
-
-def _tokens_per_step(manifest) -> int:
-    """Tokens of one centralized optimizer step (``train_local`` counts them the same way)."""
-    b = manifest.batch
-    return max(1, b.target_batch_size // b.microbatch_size) * b.microbatch_size * manifest.model.seq_len
 
 
 def compare(central: dict, swarm: dict, swarm_dir: Path) -> dict:

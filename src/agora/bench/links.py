@@ -22,6 +22,7 @@ from typing import Callable, Optional
 from agora.bench.common import markdown_table, write_result
 from agora.lab.demo import DemoOptions, LinkOptions, StopRule, SwarmShape, demo_manifest, plan_links, run_demo
 from agora.lab.demo_summary import trainer_summaries
+from agora.lab.train_local import tokens_per_step
 
 BOUNDARIES = ("subspace", "dense")
 
@@ -57,8 +58,7 @@ def run(out: Path, options: Optional[LinksOptions] = None, log: Callable[[str], 
     out = Path(out)
     plan = plan_links(opts.mbps[0], 0.0, opts.link_backend)  # fails here, not after the first run, when impossible
     manifest = demo_manifest(opts.preset, opts.stages, averaging=opts.averaging)
-    b = manifest.batch
-    tokens = opts.steps * max(1, b.target_batch_size // b.microbatch_size) * b.microbatch_size * manifest.model.seq_len
+    tokens = opts.steps * tokens_per_step(manifest)
     rows = []
     for repeat in range(1, opts.repeats + 1):
         for mbps in opts.mbps:

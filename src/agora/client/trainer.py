@@ -205,8 +205,8 @@ class Trainer:
             return
         self.stats.counts.completed += 1
         self.stats.tokens += batch.shape[0] * (batch.shape[1] - 1)
-        self.stats.loss_curve.append({"tokens": self.stats.tokens, "loss": loss, "wall_s": time.monotonic() - self.started_monotonic,
-                                      "submitted_s": submitted_s})
+        self.stats.loss_curve.append({"tokens": self.stats.tokens, "loss": loss,
+                                      "wall_s": time.monotonic() - self.started_monotonic, "submitted_s": submitted_s})
 
     # ------------------------------------------------------------------ the loop
     async def run(self, stop: asyncio.Event, max_tokens: Optional[int] = None) -> TrainerStats:
@@ -276,17 +276,25 @@ class Trainer:
             step = self.pipeline_step()
             if step >= done + every_steps:
                 done = step - step % every_steps
-                t = time.monotonic()
-                loss = await self.evaluate(batches)
-                self.stats.val_curve.append({"step": step, "wall_s": t - self.started_monotonic, "tokens": self.stats.tokens,
-                                             "val_loss": loss, "batches": self.val_batches_done,
-                                             "eval_s": time.monotonic() - t, "step_after": self.pipeline_step()})
+                loss = await self.validate_point(batches)
                 logger.info(f"validation after step {step}: loss {loss:.4f} ({self.val_batches_done} batches)")
                 continue
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
+
+    async def validate_point(self, batches: list[torch.Tensor], final: bool = False) -> float:
+        """``evaluate``, also added to ``stats.val_curve`` with the step every stage had applied when it started
+        and when it ended, and the time since this trainer started; ``final``: the pass on the model the run
+        ended with."""
+        step, t = self.pipeline_step(), time.monotonic()
+        loss = await self.evaluate(batches)
+        self.stats.val_curve.append({"step": step, "wall_s": t - self.started_monotonic, "tokens": self.stats.tokens,
+                                     "val_loss": loss, "batches": self.val_batches_done,
+                                     "eval_s": time.monotonic() - t, "step_after": self.pipeline_step(),
+                                     "final": final})
+        return loss
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Validation loss through the swarm (forward only, no gradients, no optimizer effect)."""

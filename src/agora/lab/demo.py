@@ -38,6 +38,7 @@ from agora.lab.demo_setup import (LINK_BACKENDS, LinkPlan, LocalAuthority, avera
 from agora.lab.demo_summary import (RunRecord, measure_replica_divergence, settling_point, summarize,
                                    timeline_point)
 from agora.lab.processes import Child, Swarm, read_json
+from agora.lab.train_local import tokens_per_step
 
 logger = logging.getLogger("agora.demo")
 
@@ -222,10 +223,8 @@ class DemoRun:
         self.out = Path(options.out)
         self.manifest, self.manifest_path, self.authority, self.operator_key = _write_manifest(options, self.out)
         if options.stop.exact_tokens and options.stop.tokens is None:
-            b = self.manifest.batch
-            per_step = max(1, b.target_batch_size // b.microbatch_size) * b.microbatch_size * self.manifest.model.seq_len
-            options = self.options = dataclasses.replace(
-                options, stop=dataclasses.replace(options.stop, tokens=options.stop.steps * per_step))
+            tokens = options.stop.steps * tokens_per_step(self.manifest)
+            options = self.options = dataclasses.replace(options, stop=dataclasses.replace(options.stop, tokens=tokens))
         link = options.link
         self.plan = plan_links(link.mbps, link.latency_ms, link.backend)
         console.print(self.plan.describe())

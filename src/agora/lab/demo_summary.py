@@ -43,9 +43,7 @@ def timeline_point(snap: dict, t: float) -> dict:
         "t": t,
         "tokens": snap["tokens"],
         "completed": int(snap["microbatches"].get("completed", 0)),
-        "steps": [min([p["step"] for p in peers] or [0]) for peers in serving],
-        "steps_max": [max([p["step"] for p in peers] or [0]) for peers in serving],  # the most advanced replica's
-        "serving": [len(peers) for peers in serving],
+        **_steps([[p["step"] for p in peers] for peers in serving]),
         "work": [{p["short_id"]: int((p.get("metrics") or {}).get("forward", 0)) for p in st["peers"]}
                  for st in snap["stages"]],
     }
@@ -55,10 +53,14 @@ def settling_point(swarm: list, last: dict, t: float) -> dict:
     """A timeline point read while the stages settle after the trainers stopped (``swarm``: the stage records
     per stage): the steps and serving peers as ``timeline_point`` has them, tokens and work as at the ``last``
     point (the trainers send nothing more), so the last steps of a run are on its timeline too."""
-    serving = [[r for r in stage if r.state == "serving"] for stage in swarm]
-    return {**last, "t": t, "steps": [min([r.step for r in peers] or [0]) for peers in serving],
-            "steps_max": [max([r.step for r in peers] or [0]) for peers in serving],
-            "serving": [len(peers) for peers in serving], "settling": True}
+    steps = [[r.step for r in stage if r.state == "serving"] for stage in swarm]
+    return {**last, "t": t, **_steps(steps), "settling": True}
+
+
+def _steps(serving_steps: list[list[int]]) -> dict:
+    """Per stage, from its serving replicas' steps: the slowest one's, the most advanced one's, and how many serve."""
+    return {"steps": [min(s or [0]) for s in serving_steps], "steps_max": [max(s or [0]) for s in serving_steps],
+            "serving": [len(s) for s in serving_steps]}
 
 
 def measure_replica_divergence(dht, manifest: Manifest, settle_s: float = 45.0, timeout: float = 60.0) -> dict:

@@ -28,6 +28,13 @@ def cpu_seconds() -> float:
 
 
 @torch.no_grad()
+def tokens_per_step(manifest: Manifest) -> int:
+    """Tokens of one optimizer step: whole microbatches of the target batch (at least one), as this baseline and
+    every stage count them, so a swarm and the baseline trained the same number of steps saw the same tokens."""
+    b = manifest.batch
+    return max(1, b.target_batch_size // b.microbatch_size) * b.microbatch_size * manifest.model.seq_len
+
+
 def evaluate(model: PipelineModel, batches: list[torch.Tensor]) -> float:
     model.eval()
     losses = [model.loss(b[:, :-1], b[:, 1:]).item() for b in batches]
@@ -80,7 +87,7 @@ def train_model(
     accum = max(1, target // mb)
     batches = train.batches(mb, seed=manifest.seed)
     val_set = val.fixed_batches(mb, val_batches)
-    tokens_per_step = accum * mb * manifest.model.seq_len
+    step_tokens = tokens_per_step(manifest)
 
     warm = manifest.training.warmup_depth
     by_curvature = warm is not None and warm.mode == "curvature"
@@ -106,7 +113,7 @@ def train_model(
             curvature.after_step(opt, step + 1)
         if after_step is not None:
             after_step(model, opt, step)
-        tokens += tokens_per_step
+        tokens += step_tokens
         rec = {"step": step, "loss": total, "lr": lr, "tokens": tokens, "wall_s": time.perf_counter() - t0,
                "depth": model.stages[-1].active_depth, "warmup_clock": clock}
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
