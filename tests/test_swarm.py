@@ -188,6 +188,9 @@ def test_demo_end_to_end(tmp_path):
     assert central["tokens"] == central["swarm_tokens"] == 3 * MAN.batch.target_batch_size * MAN.model.seq_len
     assert 0.8 < central["ratio"] < 1.2 and central["swarm_val_loss"] == summary["val_loss"], central
     assert "centralized" in proc.stdout + proc.stderr
+    printed = " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines at 80 columns in a pipe
+    assert "demo finished: " in printed and "steps stage 0: 3, stage 1: 3;" in printed, printed[-1500:]
+    assert f"microbatches {mb['completed']}/{mb['submitted']} completed" in printed, printed[-1500:]
     assert (out / "report.html").exists() and "data:image/png;base64" in (out / "report.html").read_text()
     # --curvature-every 1: every stage measured its curvature; the report plots it per stage.
     curvature = summary["curvature_per_stage"]

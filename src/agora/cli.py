@@ -776,11 +776,18 @@ def demo(
         allow_list=allow_list, live=not no_live, dashboard_port=dashboard_port if dashboard else None,
     ))
     mb = summary["microbatches"]
+
+    def loss(value) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    steps_text = ", ".join(f"stage {s}: {n}" for s, n in sorted(summary["steps_per_stage"].items(),
+                                                                 key=lambda kv: int(kv[0])))
     console.print(
-        f"demo {'finished' if summary['finished'] else 'TIMED OUT'}: {summary['tokens']} tokens in "
-        f"{summary['wall_s']:.0f}s ({summary['tokens_per_s']:.0f} tok/s), loss {summary['first_loss']} -> "
-        f"{summary['final_loss']}, val {summary['val_loss']}, steps {summary['steps_per_stage']}, microbatches "
-        f"{mb}. Report: {out}/report.html"
+        f"demo {'finished' if summary['finished'] else 'TIMED OUT'}: {summary['tokens']:,} tokens in "
+        f"{summary['wall_s']:.0f}s ({summary['tokens_per_s']:.0f} tok/s), training loss {loss(summary['first_loss'])}"
+        f" -> {loss(summary['final_loss'])}, validation loss {loss(summary['val_loss'])}; steps {steps_text}; "
+        f"microbatches {mb.get('completed', 0)}/{mb.get('submitted', 0)} completed ({mb.get('retried', 0)} retried, "
+        f"{mb.get('abandoned', 0)} abandoned). Report: {out}/report.html"
     )
     sample = summary.get("sample") or {}
     if "continuation" in sample:

@@ -301,42 +301,52 @@ class DemoRun:
     def train(self) -> bool:
         """Read the swarm's status about every second until the stop rule holds (True) or the timeout passes
         (False): record it, show it, and let chaos kill on schedule. Fails when a trainer exits early."""
-        opts, record = self.options, self.record
-        every = opts.chaos.every_s
+        opts = self.options
         # Faults and ``StopRule.train_seconds`` count from here, once every trainer has announced itself: a trainer's
         # slow start-up neither eats the training window nor pushes faults out of it.
         training_since = time.time()
-        next_kill = training_since + every if every else None
-        deadline = record.t0 + opts.stop.timeout
         view_context = (Live(console=console, refresh_per_second=2, transient=False) if opts.live
                         else contextlib.nullcontext())
-        with view_context as view:
-            last_read = time.time()
-            while time.time() < deadline:
-                snap = self._read_status(last_read)
-                if snap is None:
-                    time.sleep(1.0)
-                    continue
-                last_read = time.time()
-                self._observe(snap, view)
-                self.cpu.tick()
-                if opts.stop.reached(snap, time.time() - training_since):
-                    if opts.stop.exact_tokens and opts.stop.tokens:
-                        self.cpu.mark()
-                        self.settled = self._wait_settled(snap, deadline)
-                    self.cpu.end()  # before anything stops
-                    return True
-                dead = [c for c in self.swarm.trainers() if not c.alive]
-                if dead:
-                    raise RuntimeError(f"trainer {dead[0].name} exited early; see {dead[0].log}")
-                self.thaw()
-                # On a fixed schedule (every ``every`` s from the start of training), so slow status reads or a
-                # slow fault do not push later faults out of a run of fixed length; never two in a row. A fault
-                # with no peer to hit (every stage down to its last serving replica, a thawed peer still re-syncing)
-                # is tried again at the next read instead of being skipped.
-                if next_kill and time.time() >= next_kill and self.chaos_kill(snap):
-                    next_kill = max(next_kill + every, time.time() + every / 2)
+        try:
+            with view_context as view:
+                return self._train_loop(view, training_since)
+        finally:
+            if opts.live and not console.is_terminal:
+                console.line()  # rich leaves a non-terminal Live's last line open: end it before the next print
+
+    def _train_loop(self, view: Optional[Live], training_since: float) -> bool:
+        opts, record = self.options, self.record
+        every = opts.chaos.every_s
+        next_kill = training_since + every if every else None
+        deadline = record.t0 + opts.stop.timeout
+        last_read = time.time()
+        while time.time() < deadline:
+            snap = self._read_status(last_read)
+            if snap is None:
                 time.sleep(1.0)
+                continue
+            last_read = time.time()
+            self._observe(snap, view)
+            self.cpu.tick()
+            if opts.stop.reached(snap, time.time() - training_since):
+                if opts.stop.exact_tokens and opts.stop.tokens:
+                    self.cpu.mark()
+                    self.settled = self._wait_settled(snap, deadline)
+                self.cpu.end()  # before anything stops
+                if self.settled:
+                    self._show_settled(view)
+                return True
+            dead = [c for c in self.swarm.trainers() if not c.alive]
+            if dead:
+                raise RuntimeError(f"trainer {dead[0].name} exited early; see {dead[0].log}")
+            self.thaw()
+            # On a fixed schedule (every ``every`` s from the start of training), so slow status reads or a
+            # slow fault do not push later faults out of a run of fixed length; never two in a row. A fault
+            # with no peer to hit (every stage down to its last serving replica, a thawed peer still re-syncing)
+            # is tried again at the next read instead of being skipped.
+            if next_kill and time.time() >= next_kill and self.chaos_kill(snap):
+                next_kill = max(next_kill + every, time.time() + every / 2)
+            time.sleep(1.0)
         return False
 
     def _wait_settled(self, snap: dict, deadline: float) -> bool:
@@ -362,6 +372,18 @@ class DemoRun:
             time.sleep(0.5)
         self.record.events.append(f"the stages had not applied every sample after {SETTLE_TIMEOUT_S:.0f}s")
         return False
+
+    def _show_settled(self, view: Optional[Live]) -> None:
+        """The panel's last frame: the steps every stage applied while the demo waited for them to settle."""
+        if view is None:
+            return
+        from agora.ops.status import swarm_status
+
+        try:
+            snap = swarm_status(self.dht, self.manifest)
+        except TimeoutError:
+            return  # the frame before settling stays; the summary has the final steps
+        view.update(progress_table(snap, self.options.stop.steps, time.time() - self.record.t0, self.record.events))
 
     def _read_status(self, last_read: float) -> Optional[dict]:
         """The swarm's status, or None after a read that timed out. Under a kernel cap the demo's DHT reads share
