@@ -603,14 +603,21 @@ def node(
     incoming_budget_mib: Optional[float] = typer.Option(
         None, min=1, help="MiB of incoming requests all peers together may make this node buffer (default: two "
                           "of the run's largest requests, at least 4)"),
+    reachability: str = typer.Option("auto", help="before serving, ask peers to connect back to this node's port: "
+                                                  "auto (report, serve anyway), public (refuse to start unless one "
+                                                  "could: exit code 6), off"),
     certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
 ) -> None:
     """Serve one pipeline stage: forward/backward for trainers and the previous stage, averaging with replicas."""
     from agora.net.dht import Endpoint
     from agora.roles import NodeRun, run_node
-    from agora.server.node import NodeOptions
+    from agora.server.node import REACHABILITY_MODES, NodeOptions
 
+    if reachability not in REACHABILITY_MODES:
+        console.print(f"[red]error:[/red] --reachability must be one of {', '.join(REACHABILITY_MODES)}, got "
+                      f"{reachability!r} (relays are not supported yet)")
+        raise typer.Exit(2)
     m = _start_role(log_level, manifest)
     from agora.server.runtime import RuntimeOptions, resolve_device
 
@@ -627,7 +634,8 @@ def node(
                        rebalance_every_s=rebalance_every, averaging_timeout_s=averaging_timeout,
                        sentinel=sentinel or sentinel_log is not None,
                        sentinel_log=sentinel_log,
-                       incoming_budget_bytes=int(incoming_budget_mib * 2**20) if incoming_budget_mib else None)
+                       incoming_budget_bytes=int(incoming_budget_mib * 2**20) if incoming_budget_mib else None,
+                       reachability=reachability)
     setup = None
     if attack:
         from agora.lab.attacks import install_attack
@@ -636,6 +644,39 @@ def node(
     run = NodeRun(stage=stage, summary=summary, resume=resume, metrics_port=metrics_port, setup=setup)
     endpoint = Endpoint(host, port, announce_host, identity, certificate)
     raise typer.Exit(_join_errors(lambda: run_node(m, initial_peers, endpoint, opts, run)))
+
+
+@app.command()
+def doctor(
+    manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
+    initial_peers: List[str] = PeersOpt, host: str = HostOpt, port: int = PortOpt,
+    announce_host: Optional[str] = AnnounceOpt, identity: Optional[str] = IdentityOpt,
+    stage: Optional[int] = typer.Option(None, help="the stage you would serve (default: the one --stage auto picks)"),
+    certificate: Optional[str] = CertOpt,
+    log_level: str = typer.Option("error", help="log level of the libraries while checking"),
+) -> None:
+    """Check what breaks joins: bootstrap, manifest, own reachability, clock, port, memory and disk. Exit 1 on a
+    failed check."""
+    from rich.table import Table
+
+    from agora.net.dht import Endpoint, setup_logging
+    from agora.ops.doctor import FAIL, run_doctor
+
+    setup_logging(log_level)
+    m = _manifest(manifest)
+    checks = run_doctor(m, initial_peers, Endpoint(host, port, announce_host, identity, certificate), stage)
+    table = Table(title=f"agora doctor: run {m.run_id}", show_lines=True)
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail")
+    colour = {"ok": "green", "warn": "yellow", "fail": "red"}
+    for c in checks:
+        table.add_row(c.name, f"[{colour[c.status]}]{c.status}[/{colour[c.status]}]", escape(c.detail))
+    console.print(table)
+    failed = [c.name for c in checks if c.status == FAIL]
+    if failed:
+        console.print(f"[red]{len(failed)} check(s) failed:[/red] {', '.join(failed)}")
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -33,6 +33,7 @@ from agora.net.dht import (
     publish_manifest,
     visible_maddrs,
 )
+from agora.net.reachability import DialbackServer
 from agora.net.records import ANNOUNCE_PERIOD_S, read_swarm
 from agora.net.routing import drop_stale, pick_stage
 from agora.ops.metrics import serve_node_metrics
@@ -91,6 +92,8 @@ def run_bootstrap(manifest: Optional[Manifest], initial_peers: Sequence[str], en
     async def main() -> None:
         stop = asyncio.Event()
         install_stop_signals(asyncio.get_running_loop(), stop)
+        if manifest is not None:  # joiners ask the bootstrap whether it can connect back to them
+            await DialbackServer(await dht.replicate_p2p()).register(manifest.run_id)
         while not stop.is_set():
             if manifest is not None:
                 try:
@@ -245,6 +248,8 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "peer_id": node.peer_id,
         "stage": node.stage_index,
         "compute": asdict(node.opts.compute),  # device, precision, backward mode, optimizer offload
+        # What peers said when asked to connect back at start (net/reachability.py); None with --reachability off.
+        "reachability": asdict(node.reachability) if node.reachability is not None else None,
         "state": node.state.value,
         "step": node.step,
         "counters": asdict(node.counters),

@@ -88,6 +88,17 @@ def available(refresh: bool = False) -> Tuple[bool, str]:
     return _available
 
 
+def firewall_available() -> Tuple[bool, str]:
+    """Whether :meth:`NetnsTopology.refuse_inbound` can work here: namespaces, and ``iptables`` on the PATH (the
+    Makefile installs it as root, like the browser)."""
+    ok, reason = available()
+    if not ok:
+        return ok, reason
+    if shutil.which("iptables") is None:
+        return False, "iptables is not installed (`apt-get install iptables` as root; `make install` does it)"
+    return True, ""
+
+
 def cleanup_stale() -> List[str]:
     """Delete namespaces named by this module whose creating process is gone; returns the names removed.
 
@@ -251,6 +262,12 @@ class NetnsTopology:
         peer = self.peers[index]
         _tc("-n", peer.netns, "qdisc", "add" if add else "replace", "dev", peer.device, "root", "tbf",
             "rate", f"{mbps}mbit", "burst", str(self.burst_bytes), "latency", f"{self.queue_ms}ms")
+
+    def refuse_inbound(self, index: int) -> None:
+        """Peer ``index`` can dial out but refuses inbound TCP connections, as behind a home router or a cloud NAT:
+        a firewall rule in its namespace drops every connection-opening SYN (replies to its own connections pass).
+        Needs ``iptables`` (see :func:`firewall_available`)."""
+        _run(self.exec_argv(index, ["iptables", "-A", "INPUT", "-p", "tcp", "--syn", "-j", "DROP"]))
 
     def exec_argv(self, index: int, argv: Sequence[str]) -> List[str]:
         return ["ip", "netns", "exec", self.peers[index].netns, *argv]

@@ -29,6 +29,7 @@ READY_TIMEOUT_S = 90.0  # how long a new DHT process may take to report ready (h
 EXIT_MANIFEST_MISMATCH = 3
 EXIT_UNREACHABLE = 4
 EXIT_CREDENTIALS = 5
+EXIT_NOT_REACHABLE = 6  # --reachability public: no peer could connect back to this peer's port
 
 
 class JoinError(RuntimeError):

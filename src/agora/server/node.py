@@ -28,9 +28,10 @@ from hivemind import DHT
 
 from agora.client.router import RouterOptions
 from agora.config import Manifest
-from agora.net.dht import visible_maddrs
+from agora.net.dht import EXIT_NOT_REACHABLE, JoinError, visible_maddrs
 from agora.net.admission import IncomingGate, IncomingLimits
 from agora.net.members import RunMembers
+from agora.net.reachability import DIRECT, UNREACHABLE, DialbackServer, Reachability, check_reachability, listening_port
 from agora.net.records import (ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_key, announce, bans_key, read_stage,
                                stage_key)
 from agora.net.transport import TransferStats
@@ -98,6 +99,12 @@ class NodeOptions:
     incoming_budget_bytes: Optional[int] = None
     # How this peer computes (server/runtime.py RuntimeOptions): device, precision, backward mode.
     compute: RuntimeOptions = RuntimeOptions()
+    # Whether other peers can dial this one (net/reachability.py), checked before serving: "auto" logs the answer
+    # and serves anyway, "public" refuses to start unless a peer connected back, "off" does not ask.
+    reachability: str = "auto"
+
+
+REACHABILITY_MODES = ("auto", "public", "off")
 
 
 class StageNode:
@@ -153,6 +160,8 @@ class StageNode:
         )) if manifest.security.upm is not None else None
         self.downstream: Optional[Downstream] = None  # built with the P2P, in start()
         self.maddrs: list[str] = []  # where others can dial this peer (announced: any live peer is a way in)
+        self.reachability: Optional[Reachability] = None  # what peers said when asked to dial us back at start
+        self.dialback: Optional[DialbackServer] = None
         self._p2p = None
         self._tasks: list[asyncio.Task] = []
         self.freeze = FreezeWatch()  # a freeze (SIGSTOP, suspend) drops the training work this process held
@@ -254,8 +263,14 @@ class StageNode:
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
         self.maddrs = await self.run_io(visible_maddrs, self.dht)
-        logger.info(f"reachable at {' '.join(self.maddrs)} (new peers may join through this address)")
+        logger.info(f"listening at {' '.join(self.maddrs)} (new peers may join through this address)")
         await self.handler.register(self._p2p)
+        self.dialback = DialbackServer(self._p2p)
+        await self.dialback.register(self.manifest.run_id)
+        if self.opts.reachability == "public":
+            await self._check_reachability()  # refuses to start before serving anything
+        elif self.opts.reachability == "auto":  # only reported: serving need not wait for the answer
+            self._tasks.append(asyncio.create_task(self._check_reachability(), name="reachability"))
         self._serve_stage_parts()
         self._tasks.append(asyncio.create_task(self._announce_loop(), name="announce"))
         self._tasks.append(asyncio.create_task(self._refresh_next_loop(), name="refresh-next"))
@@ -267,6 +282,26 @@ class StageNode:
         await self._join_stage()
         if self.opts.rebalance_every_s > 0:
             self._tasks.append(asyncio.create_task(self.rebalancer.run(), name="rebalance"))
+
+    async def _check_reachability(self) -> None:
+        """Ask connected peers to dial us back (``NodeOptions.reachability``); "public" raises ``JoinError`` when
+        none could, naming the address and port and what to open."""
+        mode = self.opts.reachability
+        if mode == "off":
+            return
+        try:
+            self.reachability = await check_reachability(self._p2p, self.manifest.run_id, listening_port(self.maddrs))
+        except Exception as err:  # noqa: BLE001 (our own daemon did not answer: say so, the mode decides)
+            self.reachability = Reachability("unknown", listening_port(self.maddrs), unanswered=[repr(err)])
+        text = self.reachability.explain()
+        if self.reachability.status == DIRECT:
+            logger.info(f"reachability: {text}")
+            return
+        if mode == "public":
+            raise JoinError(f"--reachability public: {text}", EXIT_NOT_REACHABLE)
+        consequence = ("calls routed to this node will fail; relays are not supported yet"
+                       if self.reachability.status == UNREACHABLE else "serving anyway")
+        logger.warning(f"reachability: {text}; {consequence}")
 
     def _serve_stage_parts(self) -> None:
         """The next hop and SENTINEL's audits follow the stage this node serves."""

@@ -1,0 +1,188 @@
+"""Can other peers open a connection to this peer? A dial-back asked of peers that are already connected.
+
+A node behind a NAT or a firewall can dial out (to the bootstrap, the DHT) but nobody can dial in, so every call
+routed to it would fail. Before serving, a node asks a few connected peers to open a plain TCP connection back to
+its listening port, at the address each of them sees its connection come from (docs/NETWORK.md, "Reachability").
+
+Why the observed address and not one the caller names: a peer that dialed whatever address it was given would be a
+port scanner for anyone. The server dials only the IP addresses its libp2p daemon holds connections from that very
+peer id (authenticated by libp2p), one port per request, each peer at most once per ``DIALBACK_EVERY_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from agora.net import transport
+from agora.net.errors import BAD_METADATA, RpcError
+
+logger = logging.getLogger("agora.reachability")
+
+DIALBACK = "dialback"  # RPC name: "open a TCP connection to my port at the address you see me at"
+DIAL_TIMEOUT_S = 3.0  # one TCP connect back; a dropped SYN takes this long to count as "not reachable"
+ASK_TIMEOUT_S = 10.0  # one whole request (the server may try two addresses)
+DIALBACK_EVERY_S = 10.0  # per caller, on the server
+MAX_ADDRESSES = 2  # observed addresses of one caller the server tries
+ASK_PEERS = 3  # connected peers a node asks at start
+GRACE_S = 1.0  # after a first "not reachable", how long the other peers asked may still answer
+
+DIRECT, UNREACHABLE, UNKNOWN = "direct", "unreachable", "unknown"
+
+
+@dataclass
+class Reachability:
+    """What the peers asked said. ``status``: ``direct`` (one of them connected to our port), ``unreachable`` (some
+    answered and none could), ``unknown`` (nobody answered: no peer to ask, or peers of an older version)."""
+
+    status: str
+    port: Optional[int] = None
+    answers: list[dict] = field(default_factory=list)  # {"peer", "reachable", "tried", "error"}
+    unanswered: list[str] = field(default_factory=list)  # peers that did not answer, with why
+
+    def explain(self) -> str:
+        tried = sorted({t for a in self.answers for t in a.get("tried", [])})
+        errors = sorted({a["error"] for a in self.answers if a.get("error")})
+        if self.status == DIRECT:
+            ok = [a["peer"][-8:] for a in self.answers if a.get("reachable")]
+            return f"port {self.port} is reachable: peer(s) {', '.join(ok)} connected to {', '.join(tried)}"
+        if self.status == UNREACHABLE:
+            return (f"port {self.port} is not reachable from other peers: {len(self.answers)} peer(s) tried "
+                    f"{', '.join(tried) or 'no address'} and failed ({'; '.join(errors) or 'no address to dial'}). "
+                    f"Open TCP port {self.port} for inbound connections in this machine's firewall, and if it sits "
+                    f"behind a router or a cloud NAT forward that port to it and pass --announce-host PUBLIC_IP "
+                    f"--port {self.port}")
+        why = "; ".join(self.unanswered) or "no connected peer to ask"
+        return f"could not check whether port {self.port} is reachable: no peer answered the dial-back ({why})"
+
+
+def _ip4(addr) -> Optional[str]:
+    try:
+        return Multiaddr(str(addr)).value_for_protocol("ip4")
+    except Exception:  # noqa: BLE001 (no ip4 part: a relayed or ip6 connection)
+        return None
+
+
+def listening_port(maddrs: Sequence[str]) -> Optional[int]:
+    """The TCP port of this peer's first announced multiaddr that has one."""
+    for addr in maddrs:
+        try:
+            return int(Multiaddr(str(addr)).value_for_protocol("tcp"))
+        except Exception:  # noqa: BLE001
+            continue
+    return None
+
+
+async def _can_connect(host: str, port: int, timeout: float) -> Optional[str]:
+    """None when a TCP connection to host:port opens within ``timeout``, else why not."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except asyncio.TimeoutError:
+        return f"{host}:{port}: no answer within {timeout:g}s (inbound connections dropped)"
+    except OSError as err:
+        return f"{host}:{port}: {err.strerror or err}"
+    writer.close()
+    try:
+        await asyncio.wait_for(writer.wait_closed(), 1.0)
+    except (asyncio.TimeoutError, OSError):
+        pass
+    return None
+
+
+class DialbackServer:
+    """Answers ``DIALBACK`` requests on a peer's libp2p daemon (every node and the bootstrap serve it)."""
+
+    def __init__(self, p2p: P2P, dial_timeout_s: float = DIAL_TIMEOUT_S, every_s: float = DIALBACK_EVERY_S):
+        self.p2p, self.dial_timeout_s, self.every_s = p2p, dial_timeout_s, every_s
+        self.last: dict[str, float] = {}
+        self.served = 0
+
+    async def register(self, namespace: str) -> None:
+        await transport.add_handler(self.p2p, namespace, DIALBACK, self.handle, max_payload_bytes=1024)
+
+    async def observed_ips(self, peer_id: PeerID) -> list[str]:
+        infos = await asyncio.wait_for(self.p2p.list_peers(), 5.0)
+        ips = []
+        for info in infos:
+            if info.peer_id == peer_id:
+                ips += [ip for ip in map(_ip4, info.addrs) if ip and ip not in ips]
+        return ips[:MAX_ADDRESSES]
+
+    async def handle(self, meta: dict, tensors: list, peer_id: PeerID):
+        port = meta.get("port")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise RpcError(BAD_METADATA, f"port must be an integer in 1..65535, got {port!r}")
+        if tensors:
+            raise RpcError(BAD_METADATA, "a dial-back request carries no tensors")
+        now, caller = time.monotonic(), str(peer_id)
+        if now - self.last.get(caller, -1e9) < self.every_s:
+            raise RpcError("rate_limited", f"one dial-back per {self.every_s:g}s per peer")
+        self.last = {p: t for p, t in self.last.items() if now - t < self.every_s}  # forget the old ones
+        self.last[caller] = now
+        ips = await self.observed_ips(peer_id)
+        tried, errors = [], []
+        for ip in ips:
+            tried.append(f"{ip}:{port}")
+            error = await _can_connect(ip, port, self.dial_timeout_s)
+            if error is None:
+                self.served += 1
+                return {"reachable": True, "tried": tried}, []
+            errors.append(error)
+        self.served += 1
+        return {"reachable": False, "tried": tried,
+                "error": "; ".join(errors) or "no IPv4 connection from you to dial back (relayed?)"}, []
+
+
+async def check_reachability(p2p: P2P, namespace: str, port: Optional[int], exclude: Sequence[str] = (),
+                             ask: int = ASK_PEERS, timeout: float = ASK_TIMEOUT_S) -> Reachability:
+    """Ask up to ``ask`` connected peers (not ``exclude``) to dial ``port`` back; see :class:`Reachability`."""
+    if port is None:
+        return Reachability(UNKNOWN, None, unanswered=["this peer announces no TCP port"])
+    infos = await asyncio.wait_for(p2p.list_peers(), 5.0)
+    mine = str(p2p.peer_id)
+    peers = sorted({str(i.peer_id) for i in infos} - {mine, *map(str, exclude)})
+    random.shuffle(peers)
+    result = Reachability(UNKNOWN, port)
+
+    async def one(peer: str) -> None:
+        try:
+            meta, _ = await transport.call(p2p, peer, namespace, DIALBACK, {"port": port}, [], timeout)
+        except RpcError as err:
+            result.unanswered.append(f"{peer[-8:]}: {err.code}")
+            return
+        result.answers.append({"peer": peer, "reachable": bool(meta.get("reachable")),
+                               "tried": [str(t) for t in meta.get("tried", [])][:MAX_ADDRESSES],
+                               "error": str(meta.get("error", ""))[:500]})
+
+    # Ask in waves until someone answered: a libp2p peer that is no agora peer (or an older one) has no handler. A
+    # frozen peer's connection looks alive and its answer never comes: once one peer said we are reachable, or
+    # ``GRACE_S`` after a first answer, the rest are not waited for.
+    for start in range(0, min(len(peers), 4 * ask), ask):
+        tasks = [asyncio.create_task(one(p)) for p in peers[start:start + ask]]
+        try:
+            for done in asyncio.as_completed(tasks):
+                await done
+                if any(a["reachable"] for a in result.answers):
+                    break
+                if result.answers:
+                    pending = [t for t in tasks if not t.done()]
+                    if pending:
+                        await asyncio.wait(pending, timeout=GRACE_S)
+                    break
+        finally:
+            for t in tasks:
+                t.cancel()
+        if result.answers:
+            break
+    if any(a["reachable"] for a in result.answers):
+        result.status = DIRECT
+    elif result.answers:
+        result.status = UNREACHABLE
+    return result

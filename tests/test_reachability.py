@@ -1,0 +1,172 @@
+"""Reachability: the dial-back a node asks of its peers before serving, `--reachability public`, and `agora doctor`,
+on loopback and from a network namespace that refuses inbound connections (skipped where that cannot be built)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import P2P
+
+from agora.lab import netem
+from agora.net.errors import RpcError
+from agora.net import transport
+from agora.net.reachability import (DIALBACK, DIRECT, UNKNOWN, UNREACHABLE, DialbackServer, check_reachability,
+                                    listening_port)
+from agora.ops.doctor import clock_skew
+
+from swarm_util import kill_pids, processes_mentioning
+
+NS = "reach-test"
+ENV = {**os.environ, "COLUMNS": "200"}  # rich wraps at 80 columns in a pipe; the checks read whole table rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_listening_port_and_clock_skew():
+    assert listening_port(["/ip4/10.0.0.2/tcp/4321/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"]) == 4321
+    assert listening_port(["/ip4/10.0.0.2/udp/9/quic"]) is None
+    assert clock_skew([]) is None
+    # Records rewritten every 2.5 s look 0..2.5 s old with agreeing clocks; 30 s older when ours is 30 s ahead.
+    assert abs(clock_skew([0.2, 1.1, 1.3, 2.4])) < 0.5
+    assert clock_skew([30.2, 31.1, 31.3, 32.4]) == pytest.approx(30.0, abs=0.5)
+
+
+def test_dialback_on_loopback():
+    """A peer dials back only the address it sees the caller at: an open port is reachable, a closed one is not,
+    and a second request within the period is refused (no port scanner for anyone)."""
+
+    async def main():
+        server_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                      initial_peers=await server_p2p.get_visible_maddrs())
+        listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        open_port = listener.sockets[0].getsockname()[1]
+        try:
+            await DialbackServer(server_p2p, dial_timeout_s=2.0, every_s=0.0).register(NS)
+            reach = await check_reachability(client_p2p, NS, open_port)
+            assert reach.status == DIRECT, reach
+            assert reach.answers[0]["tried"] == [f"127.0.0.1:{open_port}"], reach
+            closed = _free_port()
+            reach = await check_reachability(client_p2p, NS, closed)
+            assert reach.status == UNREACHABLE and f"127.0.0.1:{closed}" in reach.explain(), reach
+            assert f"Open TCP port {closed}" in reach.explain()
+            with pytest.raises(RpcError) as err:  # a port out of range is refused, not dialled
+                await transport.call(client_p2p, server_p2p.peer_id, NS, DIALBACK, {"port": 70000}, [], 10.0)
+            assert err.value.code == "bad_metadata"
+            await DialbackServer(server_p2p, every_s=60.0).register("limited")  # once per peer per minute
+            assert (await check_reachability(client_p2p, "limited", open_port)).status == DIRECT
+            limited = await check_reachability(client_p2p, "limited", open_port)
+            assert limited.status == UNKNOWN and "rate_limited" in limited.explain(), limited
+            assert (await check_reachability(client_p2p, "another-run", open_port)).status == UNKNOWN  # no handler
+        finally:
+            listener.close()
+            await client_p2p.shutdown()
+            await server_p2p.shutdown()
+
+    asyncio.run(main())
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agora.cli", *args]
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().split()[0]
+        assert proc.poll() is None, f"the bootstrap exited with {proc.returncode}"
+        time.sleep(0.3)
+    raise AssertionError(f"{path} was not written within {timeout:g}s")
+
+
+def test_doctor_on_loopback(tmp_path):
+    boot = subprocess.Popen(_cli("bootstrap", "--manifest", "tiny", "--maddr-file", str(tmp_path / "boot")),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        maddr = _wait_for_file(tmp_path / "boot", boot)
+        port = _free_port()
+        doc = subprocess.run(_cli("doctor", "--manifest", "tiny", "--initial-peers", maddr, "--port", str(port)),
+                             capture_output=True, text=True, timeout=120, env=ENV)
+        out = doc.stdout + doc.stderr
+        assert doc.returncode == 0, out
+        for line in ("manifest", "bootstrap", "run manifest", "memory", "disk"):
+            assert any(row.startswith(f"│ {line} ") and "│ ok " in row for row in out.splitlines()), (line, out)
+        assert f"direct: port {port} is reachable" in out, out
+        assert "clock" in out and "this node would serve stage 0" in out, out
+        # Another manifest under the same run id is refused, naming both hashes.
+        other = tmp_path / "other.yaml"
+        other.write_text((Path(__file__).parents[1] / "src/agora/presets/tiny.yaml").read_text()
+                         .replace("lr: 0.003", "lr: 0.004"))
+        bad = subprocess.run(_cli("doctor", "--manifest", str(other), "--initial-peers", maddr),
+                             capture_output=True, text=True, timeout=120, env=ENV)
+        assert bad.returncode == 1 and "manifest mismatch" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+    finally:
+        boot.terminate()
+        try:
+            boot.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            boot.kill()
+        kill_pids(processes_mentioning(str(tmp_path)))
+
+
+def _reported(summary: Path) -> bool:
+    """Whether the node's summary holds the answer of its (background) reachability check."""
+    try:
+        return json.loads(summary.read_text()).get("reachability") is not None
+    except (OSError, ValueError):
+        return False
+
+
+fw_ok, fw_reason = netem.firewall_available()
+
+
+@pytest.mark.skipif(not fw_ok, reason=f"cannot build a namespace that refuses inbound connections: {fw_reason}")
+def test_namespace_that_refuses_inbound(tmp_path):
+    """A peer that can dial out but not be dialled: `doctor` says so, `--reachability public` refuses to start
+    (exit 6) naming the port and what to open, `--reachability auto` serves and warns."""
+    with netem.NetnsTopology(2) as topo:
+        boot_host, home_host = topo.peers[0].address, topo.peers[1].address
+        topo.refuse_inbound(1)
+        boot = topo.popen(0, _cli("bootstrap", "--manifest", "tiny", "--host", boot_host, "--maddr-file",
+                                  str(tmp_path / "boot")), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        maddr = _wait_for_file(tmp_path / "boot", boot)
+        port = str(_free_port())
+        doc = topo.run(1, _cli("doctor", "--manifest", "tiny", "--initial-peers", maddr, "--host", home_host,
+                               "--port", port), timeout=180, env=ENV)
+        out = doc.stdout + doc.stderr
+        assert doc.returncode == 1, out
+        assert any(r.startswith("│ bootstrap ") and "│ ok " in r for r in out.splitlines()), out  # dialling out works
+        assert any(r.startswith("│ reachability ") and "│ fail " in r for r in out.splitlines()), out
+        assert f"{home_host}:{port}" in out and "none (relays are not supported yet)" in out, out
+        public = topo.run(1, _cli("node", "--manifest", "tiny", "--initial-peers", maddr, "--host", home_host,
+                                  "--port", port, "--stage", "0", "--reachability", "public"),
+                          timeout=180, env=ENV)
+        text = " ".join((public.stdout + public.stderr).split())
+        assert public.returncode == 6, text[-3000:]
+        assert f"port {port} is not reachable" in text and f"Open TCP port {port}" in text, text[-3000:]
+        summary = tmp_path / "auto.json"
+        auto = topo.popen(1, _cli("node", "--manifest", "tiny", "--initial-peers", maddr, "--host", home_host,
+                                  "--stage", "0", "--summary", str(summary)),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and auto.poll() is None and not _reported(summary):
+            time.sleep(0.5)
+        auto.terminate()
+        log = auto.communicate(timeout=60)[0]
+        assert summary.exists(), log[-3000:]
+        assert "reachability:" in log and "relays are not supported yet" in log, log[-3000:]
+        reach = json.loads(summary.read_text())["reachability"]
+        assert reach["status"] == "unreachable" and reach["answers"], reach
