@@ -135,10 +135,11 @@ fw_ok, fw_reason = netem.firewall_available()
 
 @pytest.mark.skipif(not fw_ok, reason=f"cannot build a namespace that refuses inbound connections: {fw_reason}")
 def test_namespace_that_refuses_inbound(tmp_path):
-    """A peer that can dial out but not be dialled: `doctor` says so, `--reachability public` refuses to start
-    (exit 6) naming the port and what to open, `--reachability auto` serves and warns."""
-    with netem.NetnsTopology(2) as topo:
-        boot_host, home_host = topo.peers[0].address, topo.peers[1].address
+    """A peer that can dial out but not be dialled (a home router): `doctor` says it is not directly reachable,
+    `--reachability public` refuses to start (exit 6) naming the port and what to open, and with `auto` it serves
+    stage 1 of a training run through a libp2p relay: the trainer's run completes."""
+    with netem.NetnsTopology(4) as topo:
+        boot_host, home_host, head_host, trainer_host = (p.address for p in topo.peers)
         topo.refuse_inbound(1)
         boot = topo.popen(0, _cli("bootstrap", "--manifest", "tiny", "--host", boot_host, "--maddr-file",
                                   str(tmp_path / "boot")), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -147,26 +148,106 @@ def test_namespace_that_refuses_inbound(tmp_path):
         doc = topo.run(1, _cli("doctor", "--manifest", "tiny", "--initial-peers", maddr, "--host", home_host,
                                "--port", port), timeout=180, env=ENV)
         out = doc.stdout + doc.stderr
-        assert doc.returncode == 1, out
-        assert any(r.startswith("│ bootstrap ") and "│ ok " in r for r in out.splitlines()), out  # dialling out works
-        assert any(r.startswith("│ reachability ") and "│ fail " in r for r in out.splitlines()), out
-        assert f"{home_host}:{port}" in out and "none (relays are not supported yet)" in out, out
+        rows = out.splitlines()
+        assert any(r.startswith("│ bootstrap ") and "│ ok " in r for r in rows), out  # dialling out works
+        assert any(r.startswith("│ reachability ") and "│ warn " in r for r in rows), out
+        assert f"{home_host}:{port}" in out and "relayed: port" in out, out
         public = topo.run(1, _cli("node", "--manifest", "tiny", "--initial-peers", maddr, "--host", home_host,
-                                  "--port", port, "--stage", "0", "--reachability", "public"),
-                          timeout=180, env=ENV)
+                                  "--port", port, "--stage", "1", "--reachability", "public"), timeout=180, env=ENV)
         text = " ".join((public.stdout + public.stderr).split())
         assert public.returncode == 6, text[-3000:]
         assert f"port {port} is not reachable" in text and f"Open TCP port {port}" in text, text[-3000:]
-        summary = tmp_path / "auto.json"
-        auto = topo.popen(1, _cli("node", "--manifest", "tiny", "--initial-peers", maddr, "--host", home_host,
-                                  "--stage", "0", "--summary", str(summary)),
+
+        home_summary, head_summary = tmp_path / "home.json", tmp_path / "head.json"
+        home = topo.popen(1, _cli("node", "--manifest", "tiny", "--initial-peers", maddr, "--host", home_host,
+                                  "--stage", "1", "--summary", str(home_summary)),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        head = topo.popen(2, _cli("node", "--manifest", "tiny", "--initial-peers", maddr, "--host", head_host,
+                                  "--stage", "0", "--summary", str(head_summary)),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and auto.poll() is None and not _reported(summary):
+        while time.monotonic() < deadline and home.poll() is None and not _reported(home_summary):
             time.sleep(0.5)
-        auto.terminate()
-        log = auto.communicate(timeout=60)[0]
-        assert summary.exists(), log[-3000:]
-        assert "reachability:" in log and "relays are not supported yet" in log, log[-3000:]
-        reach = json.loads(summary.read_text())["reachability"]
+        tokens = 3 * 16 * 64  # three target batches of the tiny manifest
+        trained = topo.run(3, _cli("train", "--manifest", "tiny", "--initial-peers", maddr, "--host", trainer_host,
+                                   "--max-tokens", str(tokens), "--summary", str(tmp_path / "train.json")),
+                           timeout=300, env=ENV)
+        assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+        for proc in (home, head):
+            proc.terminate()
+        log = home.communicate(timeout=60)[0]
+        head.wait(timeout=60)
+        assert "Restarting this peer's libp2p daemon to serve through circuit relays" in log, log[-3000:]
+        assert "Serving through libp2p circuit relays" in log, log[-3000:]
+        reach = json.loads(home_summary.read_text())["reachability"]
         assert reach["status"] == "unreachable" and reach["answers"], reach
+        # The node nobody can dial computed stage 1 of every microbatch the trainer completed.
+        trainer = json.loads((tmp_path / "train.json").read_text())
+        completed = trainer["microbatches"]["completed"]
+        assert completed * 8 * 64 >= tokens, trainer["microbatches"]
+        assert json.loads(home_summary.read_text())["counters"]["forward"] >= completed, log[-2000:]
+
+
+PROBE = """
+import asyncio, sys, time
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import dht_pb2
+from agora.net.dht import relay_args
+
+role, host, path = sys.argv[1:4]
+
+async def ping(request, context):
+    return dht_pb2.PingResponse(available=True)
+
+async def main():
+    if role == "relay":  # a public peer: every p2pd serves as a relay by default
+        p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"])
+        open(path, "w").write(str((await p2p.get_visible_maddrs())[0]))
+        await asyncio.sleep(600)
+    boot = sys.argv[4]
+    if role == "home":  # behind the firewall: dials out to the relay only
+        p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=[boot], **relay_args(sys.argv[5]))
+        await p2p.add_protobuf_handler("ping", ping, dht_pb2.PingRequest)
+        open(path, "w").write(str(p2p.peer_id))
+        await asyncio.sleep(600)
+    # a caller the home peer never dialled: only a relayed connection can reach it
+    target = PeerID.from_base58(open(sys.argv[5]).read().strip())
+    p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=[boot])
+    deadline = time.monotonic() + float(sys.argv[6])
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(p2p.call_protobuf_handler(target, "ping", dht_pb2.PingRequest(),
+                                                             dht_pb2.PingResponse), 5)
+            print("reached", flush=True)
+            return
+        except Exception as err:
+            print("failed", repr(err)[:200], flush=True)
+            await asyncio.sleep(1)
+    sys.exit(1)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not fw_ok, reason=f"cannot build a namespace that refuses inbound connections: {fw_reason}")
+def test_relay_reaches_a_peer_behind_a_firewall(tmp_path):
+    """The libp2p settings of `--reachability relay` (where `auto` goes when no peer could connect back) make a
+    peer behind a firewall callable by a peer it never dialled, through a circuit relay on the public peer; with
+    `public`'s settings the same call never gets through. (In a small swarm a firewalled node also gets calls over
+    connections it opened itself, e.g. for the DHT: the training test above would pass without relays, so this one
+    checks the relay alone.)"""
+    with netem.NetnsTopology(3) as topo:
+        relay_host, home_host, caller_host = (p.address for p in topo.peers)
+        topo.refuse_inbound(1)
+        py = [sys.executable, "-c", PROBE]
+        relay_proc = topo.popen(0, [*py, "relay", relay_host, str(tmp_path / "relay")], env=ENV)
+        relay = _wait_for_file(tmp_path / "relay", relay_proc)
+        for mode, limit_s, reached in (("public", 12, False), ("relay", 90, True)):
+            ident = tmp_path / f"home-{mode}"
+            home = topo.popen(1, [*py, "home", home_host, str(ident), relay, mode], env=ENV)
+            _wait_for_file(ident, home)
+            call = topo.run(2, [*py, "call", caller_host, "-", relay, str(ident), str(limit_s)], timeout=limit_s + 60,
+                            env=ENV)
+            assert (call.returncode == 0) == reached, (mode, call.stdout[-2000:], call.stderr[-2000:])
+            home.terminate()
+            home.wait(timeout=20)

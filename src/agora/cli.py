@@ -603,20 +603,22 @@ def node(
     incoming_budget_mib: Optional[float] = typer.Option(
         None, min=1, help="MiB of incoming requests all peers together may make this node buffer (default: two "
                           "of the run's largest requests, at least 4)"),
-    reachability: str = typer.Option("auto", help="before serving, ask peers to connect back to this node's port: "
-                                                  "auto (report, serve anyway), public (refuse to start unless one "
-                                                  "could: exit code 6), off"),
+    reachability: str = typer.Option("auto", help="auto: serve directly, or through libp2p circuit relays when "
+                                                  "peers cannot connect to this node; relay: through relays from the "
+                                                  "start; public: directly only, and refuse to start (exit code 6) "
+                                                  "unless a peer connected back to this node's port"),
     certificate: Optional[str] = CertOpt,
     log_level: str = LogOpt,
 ) -> None:
     """Serve one pipeline stage: forward/backward for trainers and the previous stage, averaging with replicas."""
     from agora.net.dht import Endpoint
     from agora.roles import NodeRun, run_node
-    from agora.server.node import REACHABILITY_MODES, NodeOptions
+    from agora.net.dht import REACHABILITY
+    from agora.server.node import NodeOptions
 
-    if reachability not in REACHABILITY_MODES:
-        console.print(f"[red]error:[/red] --reachability must be one of {', '.join(REACHABILITY_MODES)}, got "
-                      f"{reachability!r} (relays are not supported yet)")
+    if reachability not in REACHABILITY:
+        console.print(f"[red]error:[/red] --reachability must be one of {', '.join(REACHABILITY)}, got "
+                      f"{reachability!r}")
         raise typer.Exit(2)
     m = _start_role(log_level, manifest)
     from agora.server.runtime import RuntimeOptions, resolve_device
@@ -642,7 +644,7 @@ def node(
 
         setup = lambda node: install_attack(node, attack)  # noqa: E731
     run = NodeRun(stage=stage, summary=summary, resume=resume, metrics_port=metrics_port, setup=setup)
-    endpoint = Endpoint(host, port, announce_host, identity, certificate)
+    endpoint = Endpoint(host, port, announce_host, identity, certificate, reachability=reachability)
     raise typer.Exit(_join_errors(lambda: run_node(m, initial_peers, endpoint, opts, run)))
 
 

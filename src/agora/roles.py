@@ -33,7 +33,7 @@ from agora.net.dht import (
     publish_manifest,
     visible_maddrs,
 )
-from agora.net.reachability import DialbackServer
+from agora.net.reachability import UNREACHABLE, DialbackServer, Reachability, listening_port, probe
 from agora.net.records import ANNOUNCE_PERIOD_S, read_swarm
 from agora.net.routing import drop_stale, pick_stage
 from agora.ops.metrics import serve_node_metrics
@@ -225,7 +225,12 @@ def run_node(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpoin
     exit_through_finally_on_sigterm()
     try:
         check_run_manifest(dht, manifest)
+        reach = _probe_before_serving(dht, manifest) if endpoint.reachability == "auto" else None
+        if reach is not None and reach.status == UNREACHABLE:
+            dht.shutdown()
+            dht = make_dht(initial_peers, replace(endpoint, reachability="relay"), manifest=manifest)
         node = _build_node(dht, manifest, options, run, endpoint.host)
+        node.reachability = reach  # asked once: peers answer one dial-back per peer per 10 s
         rounds = RoundClock()
         node.observers.subscribe("round", rounds)
         try:
@@ -236,6 +241,22 @@ def run_node(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpoin
         return 0
     finally:
         dht.shutdown()
+
+
+def _probe_before_serving(dht, manifest: Manifest) -> Optional[Reachability]:
+    """``--reachability auto``: whether peers can connect back to us. When none can, the caller restarts the libp2p
+    daemon to serve through circuit relays. Why not leave that to libp2p: its AutoNAT needs several peers' probes to
+    call a peer private and in a young swarm did not (measured: a firewalled peer stayed unreachable for minutes),
+    while one dial-back answers in seconds."""
+    try:
+        reach = probe(dht, manifest.run_id, listening_port(visible_maddrs(dht)))
+    except Exception as err:  # noqa: BLE001 (no answer is no evidence: serve as configured)
+        logger.warning(f"could not ask peers whether they can connect back: {err!r}")
+        return None
+    if reach.status == UNREACHABLE:
+        logger.warning(f"reachability: {reach.explain()}. Restarting this peer's libp2p daemon to serve through "
+                       f"circuit relays on publicly reachable peers (as --reachability relay)")
+    return reach
 
 
 def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:

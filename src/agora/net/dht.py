@@ -48,6 +48,9 @@ class Endpoint:
     :param identity: the peer's key file (libp2p identity = record signing key); None: an ephemeral key
     :param certificate: the authority's certificate file for ``identity`` (allow-listed runs)
     :param netns: fork the DHT process inside this named network namespace (the emulated-WAN demo)
+    :param reachability: how a serving peer is reached (``REACHABILITY``): None leaves hivemind's defaults (callers
+      that only dial out); "auto" lets libp2p serve through circuit relays once its AutoNAT finds this peer
+      unreachable; "relay" serves through relays from the start; "public" only directly
     """
 
     host: str = "127.0.0.1"
@@ -56,6 +59,25 @@ class Endpoint:
     identity: Optional[str] = None
     certificate: Optional[str] = None
     netns: Optional[str] = None
+    reachability: Optional[str] = None
+
+
+REACHABILITY = ("auto", "public", "relay")
+# hivemind's P2P.create arguments per mode. Every p2pd also *serves* as a relay for others by default (circuit relay
+# v2 with the daemon's limits: 16 circuits per peer, 30 min and 4 GiB per direction per relayed connection), and
+# hivemind's P2P.create does not expose those limits.
+_RELAY_ARGS = {
+    "auto": dict(use_relay=True, use_auto_relay=True),
+    "relay": dict(use_relay=True, use_auto_relay=True, force_reachability="private"),
+    "public": dict(use_relay=True, use_auto_relay=False, force_reachability="public"),
+}
+
+
+def relay_args(reachability: str) -> dict:
+    """hivemind ``P2P.create`` arguments of a ``--reachability`` mode."""
+    if reachability not in _RELAY_ARGS:
+        raise JoinError(f"--reachability must be one of {', '.join(REACHABILITY)}, got {reachability!r}", 2)
+    return dict(_RELAY_ARGS[reachability])
 
 
 def make_dht(initial_peers: Sequence[str] = (), endpoint: Endpoint = Endpoint(), manifest: Optional[Manifest] = None,
@@ -108,6 +130,8 @@ def _start_dht(initial_peers: Sequence[str], endpoint: Endpoint, client_mode: bo
         kwargs["record_validators"] = record_validators(manifest, creds)
         if creds.ephemeral_dir:
             kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's; skip the probe
+    if endpoint.reachability is not None:
+        kwargs.update(relay_args(endpoint.reachability))
     if endpoint.announce_host:
         kwargs["announce_maddrs"] = [f"/ip4/{endpoint.announce_host}/tcp/{port}"]
     if netns is None:

@@ -186,3 +186,13 @@ async def check_reachability(p2p: P2P, namespace: str, port: Optional[int], excl
     elif result.answers:
         result.status = UNREACHABLE
     return result
+
+
+def probe(dht, namespace: str, port: Optional[int], timeout: float = 4 * ASK_TIMEOUT_S) -> Reachability:
+    """:func:`check_reachability` from synchronous code, through ``dht``'s libp2p daemon (before a node serves,
+    and ``agora doctor``)."""
+
+    async def ask() -> Reachability:
+        return await check_reachability(await dht.replicate_p2p(), namespace, port)
+
+    return asyncio.run(asyncio.wait_for(ask(), timeout))

@@ -6,7 +6,6 @@ like this would not serve). Network checks run only once the bootstrap answered.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import shutil
 import socket
@@ -21,7 +20,7 @@ import psutil
 from agora.config import Manifest
 from agora.model import stage_memory_bytes
 from agora.net.dht import Endpoint, JoinError, check_run_manifest, make_dht, visible_maddrs
-from agora.net.reachability import DIRECT, UNREACHABLE, check_reachability, listening_port
+from agora.net.reachability import DIRECT, UNREACHABLE, listening_port, probe
 from agora.net.records import ANNOUNCE_PERIOD_S, RECORD_TTL_S, PeerState, manifest_key, read_subkeys, read_swarm, trainers_key
 from agora.net.routing import drop_stale, pick_stage
 
@@ -145,15 +144,14 @@ def run_doctor(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endpo
 
 
 def _reachability(dht, manifest: Manifest) -> Check:
-    async def ask(port):
-        p2p = await dht.replicate_p2p()
-        return await check_reachability(p2p, manifest.run_id, port)
-
     try:
-        port = listening_port(visible_maddrs(dht))
-        result = asyncio.run(asyncio.wait_for(ask(port), REACH_TIMEOUT_S))
+        result = probe(dht, manifest.run_id, listening_port(visible_maddrs(dht)), REACH_TIMEOUT_S)
     except Exception as err:  # noqa: BLE001 (our own daemon: report it, do not crash the report)
         return Check("reachability", WARN, f"could not ask peers to connect back: {err!r}")
-    status = OK if result.status == DIRECT else FAIL if result.status == UNREACHABLE else WARN
-    label = {DIRECT: "direct", UNREACHABLE: "none (relays are not supported yet)"}.get(result.status, "unknown")
-    return Check("reachability", status, f"{label}: {result.explain()}")
+    if result.status == DIRECT:
+        return Check("reachability", OK, f"direct: {result.explain()}")
+    if result.status == UNREACHABLE:
+        return Check("reachability", WARN, f"relayed: {result.explain()}. Meanwhile `agora node` (--reachability "
+                                           f"auto or relay) serves through libp2p circuit relays on publicly "
+                                           f"reachable peers, slower; --reachability public would refuse to start")
+    return Check("reachability", WARN, f"unknown: {result.explain()}")

@@ -99,12 +99,10 @@ class NodeOptions:
     incoming_budget_bytes: Optional[int] = None
     # How this peer computes (server/runtime.py RuntimeOptions): device, precision, backward mode.
     compute: RuntimeOptions = RuntimeOptions()
-    # Whether other peers can dial this one (net/reachability.py), checked before serving: "auto" logs the answer
-    # and serves anyway, "public" refuses to start unless a peer connected back, "off" does not ask.
+    # How other peers reach this one (net/reachability.py; the DHT's libp2p daemon is started to match,
+    # ``Endpoint.reachability``). Peers are asked to dial this node's port back before it serves: "public" refuses
+    # to start unless one could; "auto" and "relay" only report it (they serve through circuit relays if needed).
     reachability: str = "auto"
-
-
-REACHABILITY_MODES = ("auto", "public", "off")
 
 
 class StageNode:
@@ -269,7 +267,9 @@ class StageNode:
         await self.dialback.register(self.manifest.run_id)
         if self.opts.reachability == "public":
             await self._check_reachability()  # refuses to start before serving anything
-        elif self.opts.reachability == "auto":  # only reported: serving need not wait for the answer
+        elif self.reachability is not None:  # asked before the daemon started (roles.run_node, auto)
+            self._report_reachability()
+        else:  # only reported: serving need not wait for the answer
             self._tasks.append(asyncio.create_task(self._check_reachability(), name="reachability"))
         self._serve_stage_parts()
         self._tasks.append(asyncio.create_task(self._announce_loop(), name="announce"))
@@ -287,21 +287,24 @@ class StageNode:
         """Ask connected peers to dial us back (``NodeOptions.reachability``); "public" raises ``JoinError`` when
         none could, naming the address and port and what to open."""
         mode = self.opts.reachability
-        if mode == "off":
-            return
         try:
             self.reachability = await check_reachability(self._p2p, self.manifest.run_id, listening_port(self.maddrs))
         except Exception as err:  # noqa: BLE001 (our own daemon did not answer: say so, the mode decides)
             self.reachability = Reachability("unknown", listening_port(self.maddrs), unanswered=[repr(err)])
-        text = self.reachability.explain()
+        if mode == "public" and self.reachability.status != DIRECT:
+            raise JoinError(f"--reachability public: {self.reachability.explain()}", EXIT_NOT_REACHABLE)
+        self._report_reachability()
+
+    def _report_reachability(self) -> None:
+        mode, text = self.opts.reachability, self.reachability.explain()
         if self.reachability.status == DIRECT:
             logger.info(f"reachability: {text}")
-            return
-        if mode == "public":
-            raise JoinError(f"--reachability public: {text}", EXIT_NOT_REACHABLE)
-        consequence = ("calls routed to this node will fail; relays are not supported yet"
-                       if self.reachability.status == UNREACHABLE else "serving anyway")
-        logger.warning(f"reachability: {text}; {consequence}")
+        elif self.reachability.status == UNREACHABLE:
+            logger.warning(f"reachability: {text}. Serving through libp2p circuit relays on publicly reachable peers "
+                           f"meanwhile (--reachability {mode}): every byte to and from this node then crosses a relay, "
+                           f"slower than a direct connection")
+        else:
+            logger.warning(f"reachability: {text}; serving anyway")
 
     def _serve_stage_parts(self) -> None:
         """The next hop and SENTINEL's audits follow the stage this node serves."""
