@@ -173,6 +173,10 @@ def test_namespace_that_refuses_inbound(tmp_path):
                                    "--max-tokens", str(tokens), "--summary", str(tmp_path / "train.json")),
                            timeout=300, env=ENV)
         assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+        status = topo.run(3, _cli("status", "--manifest", "tiny", "--initial-peers", maddr, "--json"), timeout=120)
+        assert status.returncode == 0, status.stderr[-2000:]
+        stages = json.loads(status.stdout)["stages"]
+        assert [[p["reachability"] for p in st["peers"]] for st in stages] == [["direct"], ["relayed"]], stages
         for proc in (home, head):
             proc.terminate()
         log = home.communicate(timeout=60)[0]

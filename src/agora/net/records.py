@@ -82,6 +82,9 @@ class StageRecord:
     # The parameters' values at seeded positions, the same on every replica of the stage: consensus distance.
     param_sample: list[float] = field(default_factory=list)
     param_sample_step: int = -1  # the step the sample was taken after
+    # "direct" (a peer connected back to its port), "relayed" (none could: it serves through libp2p relays),
+    # "unknown" (nobody answered the dial-back yet), "" (an older peer); net/reachability.py
+    reachability: str = ""
     updated: float = 0.0
 
     def to_value(self) -> dict[str, Any]:

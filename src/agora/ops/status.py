@@ -80,7 +80,8 @@ def swarm_status(dht: DHT, manifest: Manifest) -> dict:
             "consensus_distance": sampled_consensus_distance(recs),  # None: fewer than two replicas at one step
             "peers": [
                 {"peer_id": r.peer_id, "short_id": r.peer_id[-8:], "state": r.state, "throughput": r.throughput,
-                 "step": r.step, "samples": r.samples, "queue": r.queue, "metrics": r.metrics, "addrs": r.addrs}
+                 "step": r.step, "samples": r.samples, "queue": r.queue, "metrics": r.metrics, "addrs": r.addrs,
+                 "reachability": r.reachability}
                 for r in sorted(recs, key=lambda r: r.peer_id)
             ],
         })
@@ -109,7 +110,7 @@ def swarm_status(dht: DHT, manifest: Manifest) -> dict:
 
 def render_status(snap: dict) -> Table:
     table = Table(title=f"run {snap['run_id']} (manifest {snap['manifest_hash']})")
-    cols = ("stage", "peer", "state", "tokens/s", "step", "queue", "fwd", "bwd", "rejected", "claimed", "acked")
+    cols = ("stage", "peer", "state", "reached", "tokens/s", "step", "queue", "fwd", "bwd", "rejected", "claimed", "acked")
     for col in cols:
         table.add_column(col)
     for stage in snap["stages"]:
@@ -119,7 +120,8 @@ def render_status(snap: dict) -> Table:
         for p in stage["peers"]:
             m = p.get("metrics") or {}
             table.add_row(
-                f"{stage['stage']}{mark}", p["short_id"], p["state"], f"{p['throughput']:.0f}", str(p["step"]),
+                f"{stage['stage']}{mark}", p["short_id"], p["state"], p.get("reachability") or "-",
+                f"{p['throughput']:.0f}", str(p["step"]),
                 str(p["queue"]), str(m.get("forward", "")), str(m.get("backward", "")), str(m.get("rejected", "")),
                 str(p.get("claimed", "")), str(p.get("acknowledged", "")),
             )

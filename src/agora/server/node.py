@@ -457,6 +457,7 @@ class StageNode:
             addrs=self.maddrs,
             param_sample_step=sample_step,
             param_sample=list(sample),
+            reachability=self.reachability_label(),
             metrics={
                 "forward": c.forward, "backward": c.backward, "tokens": c.tokens, "retried": c.retried,
                 "failed": c.failed, "rejected": c.rejected, "loss": rt.loss_ema,
@@ -465,6 +466,12 @@ class StageNode:
                 **self._curvature_metrics(rt),
             },
         )
+
+    def reachability_label(self) -> str:
+        """How peers reach this node, for its record: direct, relayed or unknown (net/reachability.py)."""
+        if self.reachability is None:
+            return "unknown"
+        return {DIRECT: "direct", UNREACHABLE: "relayed"}.get(self.reachability.status, "unknown")
 
     def utilisation(self) -> float:
         """Compute seconds (forward, backward, steps) over seconds alive: what averaging and waiting leave."""
