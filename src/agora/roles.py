@@ -269,7 +269,7 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "peer_id": node.peer_id,
         "stage": node.stage_index,
         "compute": asdict(node.opts.compute),  # device, precision, backward mode, optimizer offload
-        # What peers said when asked to connect back at start (net/reachability.py); None with --reachability off.
+        # What peers said when asked to connect back at start (net/reachability.py); None until one answered.
         "reachability": asdict(node.reachability) if node.reachability is not None else None,
         "state": node.state.value,
         "step": node.step,
