@@ -47,6 +47,11 @@ class Reachability:
     answers: list[dict] = field(default_factory=list)  # {"peer", "reachable", "tried", "error"}
     unanswered: list[str] = field(default_factory=list)  # peers that did not answer, with why
 
+    def label(self) -> str:
+        """What a record, ``agora status`` and ``agora doctor`` call it: peers reach this peer directly, through
+        relays (nobody could connect back), or it is not known."""
+        return {DIRECT: "direct", UNREACHABLE: "relayed"}.get(self.status, "unknown")
+
     def explain(self) -> str:
         tried = sorted({t for a in self.answers for t in a.get("tried", [])})
         errors = sorted({a["error"] for a in self.answers if a.get("error")})
@@ -102,7 +107,6 @@ class DialbackServer:
     def __init__(self, p2p: P2P, dial_timeout_s: float = DIAL_TIMEOUT_S, every_s: float = DIALBACK_EVERY_S):
         self.p2p, self.dial_timeout_s, self.every_s = p2p, dial_timeout_s, every_s
         self.last: dict[str, float] = {}
-        self.served = 0
 
     async def register(self, namespace: str) -> None:
         await transport.add_handler(self.p2p, namespace, DIALBACK, self.handle, max_payload_bytes=1024)
@@ -132,10 +136,8 @@ class DialbackServer:
             tried.append(f"{ip}:{port}")
             error = await _can_connect(ip, port, self.dial_timeout_s)
             if error is None:
-                self.served += 1
                 return {"reachable": True, "tried": tried}, []
             errors.append(error)
-        self.served += 1
         return {"reachable": False, "tried": tried,
                 "error": "; ".join(errors) or "no IPv4 connection from you to dial back (relayed?)"}, []
 

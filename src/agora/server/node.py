@@ -469,9 +469,7 @@ class StageNode:
 
     def reachability_label(self) -> str:
         """How peers reach this node, for its record: direct, relayed or unknown (net/reachability.py)."""
-        if self.reachability is None:
-            return "unknown"
-        return {DIRECT: "direct", UNREACHABLE: "relayed"}.get(self.reachability.status, "unknown")
+        return "unknown" if self.reachability is None else self.reachability.label()
 
     def utilisation(self) -> float:
         """Compute seconds (forward, backward, steps) over seconds alive: what averaging and waiting leave."""
