@@ -184,3 +184,53 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
     assert dash.proc.returncode == 0, dash.log.read_text()[-3000:]  # SIGTERM: clean exit
     summary = json.loads(dash.summary.read_text())
     assert summary["role"] == "dashboard" and summary["polls"] > 0
+
+
+def _peer(stage: int, n: int, reachability: str) -> dict:
+    pid = f"Qm{'x' * 36}{stage}{n:07d}"
+    return {"peer_id": pid, "short_id": pid[-8:], "state": "serving", "throughput": 100.0, "step": 3, "samples": 0,
+            "queue": 0, "metrics": {"forward": 5, "tokens": 640, "bytes_out": 1000}, "addrs": [],
+            "reachability": reachability, "claimed": 5, "acknowledged": 5}
+
+
+def test_dashboard_flags_relayed_peers_and_a_boundary_relayed_on_both_sides(tmp_path: Path) -> None:
+    """Peers nobody can dial carry a "relayed" mark; a boundary with such a peer on both sides (the two cannot
+    connect to each other) is flagged; a boundary with one on one side only is not. Rendered by the real page from a
+    status snapshot built by hand (ops/status.py computes the flag), served by the dashboard's own app."""
+    import asyncio
+    import socket
+    import threading
+
+    from aiohttp import web
+
+    from agora.ops.dashboard.server import DashboardState, make_app
+    from agora.ops.status import relayed_boundaries
+
+    stages = [{"stage": s, "capacity_tokens_per_s": 100.0, "consensus_distance": None,
+               "peers": [_peer(s, 0, "relayed" if s in (0, 1) else "direct"), _peer(s, 1, "direct")]}
+              for s in range(3)]
+    snap = {"run_id": "flags", "manifest_hash": "h", "time": time.time(), "stages": stages, "bottleneck_stage": 0,
+            "trainers": [], "tokens": 0, "microbatches": {}, "bans": [], "relayed_boundaries": relayed_boundaries(stages)}
+    assert [f["boundary"] for f in snap["relayed_boundaries"]] == [0]  # 0->1 relayed on both sides, 1->2 not
+    state = DashboardState(layout=[1, 1, 1])
+    state.update(snap)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(state))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        dom = _chromium(f"http://127.0.0.1:{port}/", "--dump-dom")
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+    assert dom.count('data-relayed="1"') == 2, dom[-3000:]
+    flagged = re.findall(r'data-boundary="(\d-\d)"[^>]*>(?:(?!data-boundary=).)*?data-relayed-boundary="1"', dom, re.S)
+    assert flagged == ["0-1"], flagged
+    assert dom.count('data-relayed-boundary="1"') == 1

@@ -18,8 +18,8 @@ from hivemind.p2p import P2P
 from agora.lab import netem
 from agora.net.errors import RpcError
 from agora.net import transport
-from agora.net.reachability import (DIALBACK, DIRECT, UNKNOWN, UNREACHABLE, DialbackServer, check_reachability,
-                                    listening_port)
+from agora.net.reachability import (DIALBACK, DIRECT, UNKNOWN, UNREACHABLE, ConnectionPaths, DialbackServer,
+                                    ReverseDialer, check_reachability, is_relayed, listening_port, register_hello)
 from agora.ops.doctor import clock_skew
 
 from swarm_util import kill_pids, processes_mentioning
@@ -130,6 +130,72 @@ def _reported(summary: Path) -> bool:
         return False
 
 
+class _FakeDaemon:
+    """Stands in for hivemind's P2P in ConnectionPaths: a fixed connection list (or a daemon that does not answer)."""
+
+    def __init__(self, infos, fail=False):
+        self.infos, self.fail = infos, fail
+
+    async def list_peers(self):
+        if self.fail:
+            raise asyncio.TimeoutError()
+        return self.infos
+
+
+def test_connection_paths_tell_relayed_from_direct_connections():
+    from types import SimpleNamespace
+
+    relay = "/ip4/10.0.0.1/tcp/4001/p2p/QmRelay/p2p-circuit"
+    assert is_relayed(relay) and not is_relayed("/ip4/10.0.0.2/tcp/4002")
+    paths = ConnectionPaths()
+    infos = [SimpleNamespace(peer_id="QmA", addrs=["/ip4/10.0.0.2/tcp/4002"]),
+             SimpleNamespace(peer_id="QmB", addrs=[relay]),
+             SimpleNamespace(peer_id="QmC", addrs=[relay])]
+    asyncio.run(paths.sample(_FakeDaemon(infos)))
+    asyncio.run(paths.sample(_FakeDaemon(infos[:2])))
+    asyncio.run(paths.sample(_FakeDaemon([], fail=True)))
+    out = paths.summary()
+    assert out["samples"] == 2 and out["failed"] == 1
+    assert out["direct_peers"] == 1 and out["relayed_peers"] == 2 and out["relayed_max"] == 2
+    assert out["relayed_peer_ids"] == ["QmB", "QmC"]
+
+
+def test_reverse_dialer_opens_a_connection_to_a_caller_on_loopback():
+    """A peer never connected to a caller (the caller is a libp2p DHT client, as a trainer's daemon is, so nothing
+    connects to it unasked): one round of the dialer opens a connection to it, found through the peer both joined
+    by, a second round finds it open, and a caller that does not exist counts as failed."""
+
+    async def main():
+        boot = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        boot_addrs = [str(a) for a in await boot.get_visible_maddrs()]
+        caller = await P2P.create(initial_peers=boot_addrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], dht_mode="client")
+        node = await P2P.create(initial_peers=boot_addrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            await register_hello(caller, NS)
+            before = {str(i.peer_id) for i in await node.list_peers()}
+            targets = [str(caller.peer_id)]
+            dialer = ReverseDialer(node, NS, callers=lambda: _ready(targets), timeout_s=10.0)
+            await dialer.round()
+            after = {str(i.peer_id) for i in await node.list_peers()}
+            first = dialer.summary()
+            await dialer.round()
+            targets.append("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")  # a peer id nobody runs
+            await dialer.round()
+            return str(caller.peer_id), before, after, first, dialer.summary()
+        finally:
+            for p in (caller, node, boot):
+                await p.shutdown()
+
+    caller_id, before, after, first, last = asyncio.run(main())
+    assert caller_id not in before and caller_id in after
+    assert first["opened"] == 1 and first["failed"] == 0
+    assert last["opened"] == 1 and last["failed"] == 1 and last["rounds"] == 3
+
+
+async def _ready(value):
+    return value
+
+
 fw_ok, fw_reason = netem.firewall_available()
 
 
@@ -137,7 +203,8 @@ fw_ok, fw_reason = netem.firewall_available()
 def test_namespace_that_refuses_inbound(tmp_path):
     """A peer that can dial out but not be dialled (a home router): `doctor` says it is not directly reachable,
     `--reachability public` refuses to start (exit 6) naming the port and what to open, and with `auto` it serves
-    stage 1 of a training run through a libp2p relay: the trainer's run completes."""
+    the head stage of a training run. The trainer (a DHT client nobody dials) reaches it only over the connection
+    the node opens to it (ReverseDialer): the run completes and the node computed every microbatch."""
     with netem.NetnsTopology(4) as topo:
         boot_host, home_host, head_host, trainer_host = (p.address for p in topo.peers)
         topo.refuse_inbound(1)
@@ -160,10 +227,10 @@ def test_namespace_that_refuses_inbound(tmp_path):
 
         home_summary, head_summary = tmp_path / "home.json", tmp_path / "head.json"
         home = topo.popen(1, _cli("node", "--manifest", "tiny", "--initial-peers", maddr, "--host", home_host,
-                                  "--stage", "1", "--summary", str(home_summary)),
+                                  "--stage", "0", "--summary", str(home_summary)),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         head = topo.popen(2, _cli("node", "--manifest", "tiny", "--initial-peers", maddr, "--host", head_host,
-                                  "--stage", "0", "--summary", str(head_summary)),
+                                  "--stage", "1", "--summary", str(head_summary)),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and home.poll() is None and not _reported(home_summary):
@@ -176,7 +243,7 @@ def test_namespace_that_refuses_inbound(tmp_path):
         status = topo.run(3, _cli("status", "--manifest", "tiny", "--initial-peers", maddr, "--json"), timeout=120)
         assert status.returncode == 0, status.stderr[-2000:]
         stages = json.loads(status.stdout)["stages"]
-        assert [[p["reachability"] for p in st["peers"]] for st in stages] == [["direct"], ["relayed"]], stages
+        assert [[p["reachability"] for p in st["peers"]] for st in stages] == [["relayed"], ["direct"]], stages
         for proc in (home, head):
             proc.terminate()
         log = home.communicate(timeout=60)[0]
@@ -185,9 +252,17 @@ def test_namespace_that_refuses_inbound(tmp_path):
         assert "Serving through libp2p circuit relays" in log, log[-3000:]
         reach = json.loads(home_summary.read_text())["reachability"]
         assert reach["status"] == "unreachable" and reach["answers"], reach
-        # The node nobody can dial computed stage 1 of every microbatch the trainer completed.
+        # The node nobody can dial computed the head of every microbatch the trainer completed, over the connection
+        # it opened to the trainer itself (the trainer's DHT never dials anyone who has not dialled it).
         trainer = json.loads((tmp_path / "train.json").read_text())
         completed = trainer["microbatches"]["completed"]
         assert completed * 8 * 64 >= tokens, trainer["microbatches"]
-        assert json.loads(home_summary.read_text())["counters"]["forward"] >= completed, log[-2000:]
+        home_out = json.loads(home_summary.read_text())
+        assert home_out["counters"]["forward"] >= completed, log[-2000:]
+        assert home_out["reverse_dial"]["opened"] >= 1 and home_out["reverse_dial"]["rounds"] >= 1, home_out
+        assert home_out["connections"]["samples"] >= 1 and home_out["connections"]["direct_peers"] >= 2, home_out
+        assert trainer["called"][home_out["peer_id"]]["delivered"] >= completed, trainer["called"]
+        # A reachable node opens no connections to its callers.
+        assert json.loads(head_summary.read_text())["reverse_dial"]["rounds"] >= 1
+        assert json.loads(head_summary.read_text())["reverse_dial"]["opened"] == 0
 

@@ -289,6 +289,38 @@ def bench_links(
     _join_errors(lambda: run(out, options, log=console.print))
 
 
+@bench_app.command("reachability")
+def bench_reachability(
+    out: Path = typer.Option(Path("bench-out/reachability")),
+    preset: str = typer.Option("small"),
+    stages: int = typer.Option(3), replicas: int = typer.Option(2),
+    in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
+    mbps: float = typer.Option(20.0, help="every peer's uplink cap in Mbit/s"),
+    firewalled: str = typer.Option("1", help="comma-separated stages whose first replica refuses inbound "
+                                             "connections in the firewalled runs"),
+    steps: int = typer.Option(6, min=1, help="optimizer steps' worth of tokens per run"),
+    eval_every: int = typer.Option(2, min=1, help="validate every this many steps (and at the end)"),
+    val_batches: int = typer.Option(2, min=1, help="held-out microbatches per validation"),
+    averaging: Optional[str] = typer.Option("powersgd,rank=4", help="replica averaging ('none': the preset's)"),
+    repeats: int = typer.Option(3, min=1, help="open/firewalled pairs (median, min-max)"),
+) -> None:
+    """A node behind a firewall (nobody can dial it) against the same swarm with every peer open, at equal tokens
+    over capped uplinks: time, tokens/s, validation loss, the node's share of the work, its call latency, and
+    whether its connections crossed a relay. Needs root, namespaces and iptables."""
+    from agora.bench.reachability import ReachabilityOptions, check_options, run
+
+    try:
+        options = ReachabilityOptions(preset=preset, stages=stages, replicas=replicas, in_flight=in_flight, mbps=mbps,
+                                      firewalled=tuple(_listed(firewalled, int)), steps=steps, eval_every=eval_every,
+                                      val_batches=val_batches, averaging=None if averaging == "none" else averaging,
+                                      repeats=repeats)
+        check_options(options)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2)
+    _join_errors(lambda: run(out, options, log=console.print))
+
+
 @bench_app.command("convergence")
 def bench_convergence(
     out: Path = typer.Option(Path("bench-out/convergence")),

@@ -259,6 +259,14 @@ def _probe_before_serving(dht, manifest: Manifest) -> Optional[Reachability]:
     return reach
 
 
+def _router_view(router) -> dict:
+    """Per peer of the stage a router calls: results delivered to us and their calls' mean duration (s)."""
+    if router is None:
+        return {}
+    return {peer: {"delivered": router.acks.get(peer, 0), "latency_s": router.latency.get(peer)}
+            for peer in sorted(set(router.acks) | set(router.latency))}
+
+
 def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
     """What a node writes to ``--summary``: its counters, averaging, and where its CPU goes: ``compute_tid`` (the
     compute thread's native id) and ``helper_pids`` (its DHT and averager processes) let a parent process
@@ -271,6 +279,10 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "compute": asdict(node.opts.compute),  # device, precision, backward mode, optimizer offload
         # What peers said when asked to connect back at start (net/reachability.py); None until one answered.
         "reachability": asdict(node.reachability) if node.reachability is not None else None,
+        # Which connections crossed a circuit relay (sampled every 5 s): the path bytes took, whatever the above said.
+        "connections": node.connections.summary(),
+        # Nobody could dial us: connections we opened to the peers that call us, so they reach us without a relay.
+        "reverse_dial": node.reverse.summary() if node.reverse is not None else None,
         "state": node.state.value,
         "step": node.step,
         "counters": asdict(node.counters),
@@ -292,6 +304,7 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "hedge_claims_lost": node.handler.claims_lost,
         "hedge_claims_granted": node.handler.claims_granted,
         "hedges_downstream": node.downstream.router.hedges if node.downstream is not None else 0,
+        "called": _router_view(node.downstream.router if node.downstream is not None else None),
         "freezes": node.freeze.epoch,
         "frozen_s": round(node.freeze.frozen_s, 3),
         "aborted_rounds": sum(s.aborted_rounds for s in syncs),
@@ -413,6 +426,8 @@ def run_trainer(manifest: Manifest, initial_peers: Sequence[str], endpoint: Endp
             # Microbatches also sent to a second head because the first was slow, and how many the second won.
             "hedges": trainer.router.hedges if trainer.router is not None else 0,
             "hedges_won": trainer.router.hedges_won if trainer.router is not None else 0,
+            # Per head peer: results it delivered to us, and the moving average of its calls' durations (routing's).
+            "called": _router_view(trainer.router),
             "loss_curve": out["stats"]["loss_curve"],
             "val_curve": out["stats"]["val_curve"],  # validation during training (``eval_every_steps``) and at the end
             "started_at": trainer.started_at,  # unix time of the loss curve's wall_s = 0

@@ -27,6 +27,7 @@ from agora.config import Manifest
 from agora.data import TokenDataset
 from agora.client.router import Router, RouterOptions
 from agora.net.protocol import DOWNSTREAM, RETRYABLE
+from agora.net.reachability import register_hello
 from agora.net.records import (
     ANNOUNCE_PERIOD_S, StageRecord, acks_key, announce, read_swarm, read_swarm_bans, stages_settled, trainers_key,
 )
@@ -109,6 +110,8 @@ class Trainer:
 
     async def start(self) -> None:
         self._p2p = await self.dht.replicate_p2p()
+        # A head nobody can dial opens a connection to us by calling this (net/reachability.py, ReverseDialer).
+        await register_hello(self._p2p, self.manifest.run_id)
         options = RouterOptions(max_retries=self.opts.max_retries, timeout_s=self.opts.call_timeout_s,
                                 wait_for_peers_s=self.opts.call_timeout_s, backoff_s=self.opts.retry_backoff_s,
                                 backoff_per_attempt=True, ban_s=self.opts.ban_s, fallback_wait_s=self.opts.fallback_wait_s,

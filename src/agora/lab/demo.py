@@ -126,11 +126,13 @@ class ChaosOptions:
 @dataclass(frozen=True)
 class LinkOptions:
     """Emulated internet link of every peer: uplink ``mbps`` (None: uncapped), one-way ``latency_ms``, and the
-    ``backend`` (auto, netns or transport; see :func:`plan_links`)."""
+    ``backend`` (auto, netns or transport; see :func:`plan_links`). ``refuse_inbound``: stages whose first replica
+    sits behind a firewall that drops inbound connections, as behind a home router (netns backend only)."""
 
     mbps: Optional[float] = None
     latency_ms: float = 0.0
     backend: str = "auto"
+    refuse_inbound: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,8 @@ class DemoRun:
             options = self.options = dataclasses.replace(options, stop=dataclasses.replace(options.stop, tokens=tokens))
         link = options.link
         self.plan = plan_links(link.mbps, link.latency_ms, link.backend)
+        if link.refuse_inbound:
+            _check_refuse_inbound(link.refuse_inbound, self.plan.backend, self.manifest.n_stages)
         console.print(self.plan.describe())
         self.rng = random.Random(options.chaos.seed)
         self.killed_helpers: list[tuple[list, float]] = []  # (helpers of a kill-main victim, when they must be gone)
@@ -265,8 +269,8 @@ class DemoRun:
         maddr = self.swarm.start_bootstrap()
         self.dht = self._connect(maddr)
         for stage in range(self.manifest.n_stages):
-            for _ in range(shape.replicas):
-                self.swarm.start_node(stage)
+            for replica in range(shape.replicas):
+                self.swarm.start_node(stage, refuse_inbound=replica == 0 and stage in self.options.link.refuse_inbound)
         if self.options.dashboard_port is not None:
             self.dashboard = self.swarm.start_dashboard(self.options.dashboard_port)
             self.record.events.append(f"dashboard at http://127.0.0.1:{self.options.dashboard_port}/")
@@ -618,6 +622,19 @@ def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Op
 def _token_shares(tokens: int, trainers: int) -> list[int]:
     """``tokens`` split between ``trainers`` as evenly as possible (the first ones take the remainder)."""
     return [tokens // trainers + (1 if i < tokens % trainers else 0) for i in range(trainers)]
+
+
+def _check_refuse_inbound(stages: tuple[int, ...], backend: str, n_stages: int) -> None:
+    """ValueError/RuntimeError when peers behind a firewall cannot be emulated as asked."""
+    bad = [s for s in stages if not 0 <= s < n_stages]
+    if bad:
+        raise ValueError(f"refuse_inbound: stages {bad} not in 0..{n_stages - 1}")
+    if backend != "netns":
+        raise RuntimeError(f"refuse_inbound needs the netns link backend (a firewall rule in a peer's namespace), "
+                           f"not {backend!r}: give a link rate and run as root")
+    ok, why = netem.firewall_available()
+    if not ok:
+        raise RuntimeError(f"refuse_inbound: cannot build a namespace that refuses inbound connections: {why}")
 
 
 def _enter_topology(plan: LinkPlan) -> netem.NetnsTopology:

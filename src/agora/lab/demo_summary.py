@@ -273,7 +273,9 @@ def _node_row(child: Child, s: dict) -> dict:
             "hedge_claims_lost": s.get("hedge_claims_lost", 0),
             "hedge_claims_granted": s.get("hedge_claims_granted", 0),
             "curvature": s.get("curvature"), "consensus_distance": s.get("consensus_distance"),
-            "utilisation": s.get("utilisation"), "upm": s.get("upm")}
+            "utilisation": s.get("utilisation"), "upm": s.get("upm"), "firewalled": child.firewalled,
+            "reachability": (s.get("reachability") or {}).get("status"), "connections": s.get("connections"),
+            "forward": (s.get("counters") or {}).get("forward"), "called": s.get("called")}
 
 
 def _completions(trainers: list[dict], t0: Optional[float]) -> list[list[float]]:

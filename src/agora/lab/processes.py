@@ -40,6 +40,7 @@ class Child:
     slot: Optional[netem.NetnsPeer] = None  # its network namespace (netns link emulation only)
     started: float = field(default_factory=time.time)
     exit: Optional[dict] = None  # {"graceful": bool, "seconds": float} once stopped or killed by the demo
+    firewalled: bool = False  # its namespace drops inbound connections (``Swarm.start_node(refuse_inbound=True)``)
 
     def current(self) -> Optional[dict]:
         """The child's latest self-written summary (nodes rewrite it every few seconds while serving)."""
@@ -113,11 +114,13 @@ class Swarm:
         self.children: list[Child] = []
         self.maddr: Optional[str] = None
         self._counter = 0
+        self.firewalled_slots: set[int] = set()  # namespaces with a firewall rule: never handed to another peer
         (out / "logs").mkdir(parents=True, exist_ok=True)
         (out / "procs").mkdir(parents=True, exist_ok=True)
 
-    def _spawn(self, role: str, args: list[str], stage: Optional[int] = None) -> Child:
-        """Start ``python -m agora.cli ROLE ARGS`` (credentials, summary file and namespace added as needed)."""
+    def _spawn(self, role: str, args: list[str], stage: Optional[int] = None, refuse_inbound: bool = False) -> Child:
+        """Start ``python -m agora.cli ROLE ARGS`` (credentials, summary file and namespace added as needed);
+        ``refuse_inbound``: in a namespace of its own whose firewall drops inbound connections."""
         self._counter += 1
         name = f"{role}{'' if stage is None else stage}-{self._counter}"
         log = self.out / "logs" / f"{name}.log"
@@ -128,8 +131,13 @@ class Swarm:
         if role != "bootstrap":
             cmd += ["--summary", str(summary)]
         slot = None
+        if refuse_inbound and self.topology is None:
+            raise RuntimeError("refuse_inbound needs a Swarm started with a topology")
         if self.topology is not None:
             slot = self.free_slot()
+            if refuse_inbound:
+                self.topology.refuse_inbound(slot.index)
+                self.firewalled_slots.add(slot.index)
             if role == "dashboard":  # page on the host, DHT client in the namespace (see run_dashboard)
                 cmd += ["--dht-host", slot.address, "--dht-netns", slot.netns]
             else:  # the whole peer in the namespace (ip netns exec execs in place: the pid stays the peer's)
@@ -138,7 +146,7 @@ class Swarm:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads), **self.env)
         with open(log, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        child = Child(role, name, proc, log, summary, stage, slot)
+        child = Child(role, name, proc, log, summary, stage, slot, firewalled=refuse_inbound)
         self.children.append(child)
         return child
 
@@ -150,6 +158,7 @@ class Swarm:
         taken = {c.slot.index for c in self.children if c.slot is not None and c.alive}
         for c in self.children:
             if (c.slot is not None and not c.alive and c.slot.index not in taken
+                    and c.slot.index not in self.firewalled_slots
                     and not netem.pids_in(c.slot.netns)):
                 return c.slot
         return self.topology.add_peer()
@@ -169,14 +178,15 @@ class Swarm:
             time.sleep(0.2)
         raise TimeoutError(f"bootstrap did not print its address within {timeout:.0f}s; see {child.log}")
 
-    def start_node(self, stage: Optional[int], more_peers: Sequence[str] = ()) -> Child:
+    def start_node(self, stage: Optional[int], more_peers: Sequence[str] = (), refuse_inbound: bool = False) -> Child:
         """Start a stage node for ``stage`` (None: ``--stage auto``, the node picks the weakest stage), joining
-        through the bootstrap peer and ``more_peers`` (live peers' addresses: the bootstrap peer may be dead)."""
+        through the bootstrap peer and ``more_peers`` (live peers' addresses: the bootstrap peer may be dead);
+        ``refuse_inbound``: behind a firewall that drops inbound connections (a home router)."""
         peers = [self.maddr, *[p for p in more_peers if p != self.maddr]]
         args = ["--manifest", str(self.manifest_path), *[a for p in peers for a in ("--initial-peers", p)],
                 "--stage", "auto" if stage is None else str(stage), "--threads", str(self.threads),
                 *self.extra_node_args]
-        return self._spawn("node", args, stage)
+        return self._spawn("node", args, stage, refuse_inbound)
 
     def start_trainer(self, index: int, count: int, in_flight: int, val_batches: int,
                       max_tokens: Optional[int] = None, settle_s: float = 0.0, eval_every_steps: int = 0) -> Child:

@@ -132,6 +132,12 @@ def _start_dht(initial_peers: Sequence[str], endpoint: Endpoint, client_mode: bo
             kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's; skip the probe
     if endpoint.reachability is not None:
         kwargs.update(relay_args(endpoint.reachability))
+        if endpoint.reachability == "relay" and initial_peers:
+            # The peers we joined through answered us, so they are reachable, and every p2pd serves as a relay: offer
+            # them to libp2p's auto-relay as its first candidates. It still waits for 4 candidates or 3 minutes before
+            # it reserves a slot (go-libp2p defaults), because p2pd uses static relays alone only with
+            # -relayDiscovery=0, which hivemind's P2P.create cannot pass (docs/TRANSPORT.md, "Reachability").
+            kwargs["trusted_relays"] = list(initial_peers)
     if endpoint.announce_host:
         kwargs["announce_maddrs"] = [f"/ip4/{endpoint.announce_host}/tcp/{port}"]
     if netns is None:

@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -198,3 +198,120 @@ def probe(dht, namespace: str, port: Optional[int], timeout: float = 4 * ASK_TIM
         return await check_reachability(await dht.replicate_p2p(), namespace, port)
 
     return asyncio.run(asyncio.wait_for(ask(), timeout))
+
+
+CONNECTIONS_EVERY_S = 5.0  # how often a node looks at which of its connections cross a relay
+
+
+def is_relayed(addr) -> bool:
+    """Whether a connection's remote multiaddr goes through a libp2p circuit relay."""
+    return "/p2p-circuit" in str(addr)
+
+
+@dataclass
+class ConnectionPaths:
+    """Which of this peer's libp2p connections crossed a circuit relay, sampled over its life.
+
+    Why sample: a peer nobody can dial may still be served over connections it opened itself (libp2p reuses them in
+    both directions), so "relayed" in a record says what peers could *not* do, not which path the bytes took. The
+    daemon's connection list names the path: a relayed connection's remote address contains ``/p2p-circuit``.
+    """
+
+    samples: int = 0
+    failed: int = 0  # samples our own daemon did not answer in time
+    direct_peers: set = field(default_factory=set)  # peers seen on a direct connection at least once
+    relayed_peers: set = field(default_factory=set)  # peers seen on a relayed connection at least once
+    relayed_max: int = 0  # the most relayed connections open at one sample
+
+    async def sample(self, p2p: P2P, timeout: float = 5.0) -> None:
+        try:
+            infos = await asyncio.wait_for(p2p.list_peers(), timeout)
+        except Exception as err:  # noqa: BLE001 (a busy daemon: the next sample counts)
+            self.failed += 1
+            logger.debug(f"could not list connections: {err!r}")
+            return
+        self.samples += 1
+        relayed = 0
+        for info in infos:
+            if any(is_relayed(a) for a in info.addrs):
+                relayed += 1
+                self.relayed_peers.add(str(info.peer_id))
+            if any(not is_relayed(a) for a in info.addrs):
+                self.direct_peers.add(str(info.peer_id))
+        self.relayed_max = max(self.relayed_max, relayed)
+
+    async def run(self, p2p: P2P, every_s: float = CONNECTIONS_EVERY_S) -> None:
+        while True:
+            await self.sample(p2p)
+            await asyncio.sleep(every_s)
+
+    def summary(self) -> dict:
+        return {"samples": self.samples, "failed": self.failed, "direct_peers": len(self.direct_peers),
+                "relayed_peers": len(self.relayed_peers), "relayed_max": self.relayed_max,
+                "relayed_peer_ids": sorted(self.relayed_peers)[:20]}
+
+
+HELLO = "hello"  # RPC answering nothing: calling it opens a connection the callee can then use to call us back
+REVERSE_EVERY_S = 2.5  # how often a node nobody can dial checks that it is connected to every peer that calls it
+REVERSE_MAX_PER_ROUND = 16  # connections opened per round at most (a large swarm is covered over several rounds)
+
+
+async def register_hello(p2p: P2P, namespace: str) -> None:
+    """Serve ``HELLO`` (every node and trainer): the target of :class:`ReverseDialer`'s calls."""
+
+    async def hello(meta: dict, tensors: list, peer_id: PeerID):
+        if tensors:
+            raise RpcError(BAD_METADATA, "a hello carries no tensors")
+        return {}, []
+
+    await transport.add_handler(p2p, namespace, HELLO, hello, max_payload_bytes=256)
+
+
+@dataclass
+class ReverseDialer:
+    """Keeps a connection open from a node nobody can dial to every peer that must call it.
+
+    libp2p calls a peer over any connection already open between the two, whichever side opened it. A node behind a
+    NAT or a firewall can dial out, so once it has opened a connection to each of its callers (the previous stage's
+    replicas, the trainers for the head, its own stage's replicas for averaging) they reach it without a relay.
+    Why not leave it to relays: hivemind's daemon reserves a relay slot only after minutes (docs/TRANSPORT.md,
+    "Reachability"), and a relayed byte crosses two links. ``callers`` returns the peer ids to stay connected to.
+    """
+
+    p2p: P2P
+    namespace: str
+    callers: Callable[[], Awaitable[list[str]]]
+    every_s: float = REVERSE_EVERY_S
+    timeout_s: float = 5.0
+    opened: int = 0  # connections this node opened to callers it was not connected to
+    failed: int = 0  # of those attempts, the ones that failed (the caller gone, or unreachable itself)
+    rounds: int = 0
+
+    async def round(self) -> None:
+        self.rounds += 1
+        wanted = set(await self.callers()) - {str(self.p2p.peer_id)}
+        if not wanted:
+            return
+        infos = await asyncio.wait_for(self.p2p.list_peers(), 5.0)
+        missing = sorted(wanted - {str(i.peer_id) for i in infos})[:REVERSE_MAX_PER_ROUND]
+
+        async def one(peer: str) -> None:
+            try:
+                await transport.call(self.p2p, peer, self.namespace, HELLO, {}, [], self.timeout_s)
+                self.opened += 1
+            except Exception as err:  # noqa: BLE001 (gone, frozen or unreachable itself: counted, tried next round)
+                self.failed += 1
+                logger.debug(f"could not open a connection to caller {peer[-8:]}: {err!r}")
+
+        await asyncio.gather(*(one(p) for p in missing))
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.round()
+            except Exception as err:  # noqa: BLE001 (a DHT or daemon hiccup: the next round tries again)
+                logger.debug(f"reverse-dial round failed: {err!r}")
+            await asyncio.sleep(self.every_s)
+
+    def summary(self) -> dict:
+        return {"rounds": self.rounds, "opened": self.opened, "failed": self.failed}

@@ -105,7 +105,23 @@ def swarm_status(dht: DHT, manifest: Manifest) -> dict:
         "tokens": sum(int(t.get("tokens", 0)) for t in trainers),
         "microbatches": counts,
         "bans": bans,
+        "relayed_boundaries": relayed_boundaries(stages),
     }
+
+
+def relayed_boundaries(stages: list[dict]) -> list[dict]:
+    """Boundaries with a peer nobody can dial on both sides: neither can open a connection to the other, so calls
+    between those two fail (no relay in time, docs/TRANSPORT.md, "Reachability") and routing must use other
+    replicas. One entry per such boundary: its index (between stages b and b+1) and the relayed peers on each side."""
+    def relayed(stage: dict) -> list[str]:
+        return [p["short_id"] for p in stage["peers"] if p.get("reachability") == "relayed"]
+
+    out = []
+    for left, right in zip(stages, stages[1:]):
+        a, b = relayed(left), relayed(right)
+        if a and b:
+            out.append({"boundary": left["stage"], "upstream": a, "downstream": b})
+    return out
 
 
 def render_status(snap: dict) -> Table:
@@ -133,6 +149,10 @@ def render_status(snap: dict) -> Table:
     )
     addrs = [a for st in snap["stages"] for p in st["peers"] if p["state"] == "serving" for a in p.get("addrs") or []]
     entry = next((a for a in addrs if "/127." not in a), addrs[0] if addrs else None)  # a public address first
+    for flag in snap.get("relayed_boundaries") or []:
+        table.caption += (f"\nBoundary {flag['boundary']}->{flag['boundary'] + 1}: relayed peers on both sides "
+                          f"({', '.join(flag['upstream'])} -> {', '.join(flag['downstream'])}) cannot connect to each "
+                          f"other; their traffic goes to other replicas")
     if entry:  # every serving peer is a way in: the bootstrap peer is not needed once the swarm runs
         table.caption += f"\nJoin through any serving peer, e.g. --initial-peers {entry}"
     return table

@@ -31,9 +31,10 @@ from agora.config import Manifest
 from agora.net.dht import EXIT_NOT_REACHABLE, JoinError, visible_maddrs
 from agora.net.admission import IncomingGate, IncomingLimits
 from agora.net.members import RunMembers
-from agora.net.reachability import DIRECT, UNREACHABLE, DialbackServer, Reachability, check_reachability, listening_port
+from agora.net.reachability import (DIRECT, UNREACHABLE, ConnectionPaths, DialbackServer, Reachability, ReverseDialer,
+                                    check_reachability, listening_port, register_hello)
 from agora.net.records import (ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_key, announce, bans_key, read_stage,
-                               stage_key)
+                               read_subkeys, stage_key, trainers_key)
 from agora.net.transport import TransferStats
 from agora.sentinel import AUDIT_RATE
 from agora.server.averaging import make_sync
@@ -159,6 +160,8 @@ class StageNode:
         self.downstream: Optional[Downstream] = None  # built with the P2P, in start()
         self.maddrs: list[str] = []  # where others can dial this peer (announced: any live peer is a way in)
         self.reachability: Optional[Reachability] = None  # what peers said when asked to dial us back at start
+        self.connections = ConnectionPaths()  # which of our connections crossed a relay (sampled)
+        self.reverse: Optional[ReverseDialer] = None  # connections we open to our callers when nobody can dial us
         self.dialback: Optional[DialbackServer] = None
         self._p2p = None
         self._tasks: list[asyncio.Task] = []
@@ -265,6 +268,8 @@ class StageNode:
         await self.handler.register(self._p2p)
         self.dialback = DialbackServer(self._p2p)
         await self.dialback.register(self.manifest.run_id)
+        await register_hello(self._p2p, self.manifest.run_id)
+        self.reverse = ReverseDialer(self._p2p, self.manifest.run_id, self._callers)
         if self.opts.reachability == "public":
             await self._check_reachability()  # refuses to start before serving anything
         elif self.reachability is not None:  # asked before the daemon started (roles.run_node, auto)
@@ -277,6 +282,8 @@ class StageNode:
         self._tasks.append(asyncio.create_task(self.inference.run(), name="inference-expiry"))
         self._tasks.append(asyncio.create_task(self._witness_loop(), name="state-ledger"))
         self._tasks.append(asyncio.create_task(self.freeze.run(), name="freeze-watch"))
+        self._tasks.append(asyncio.create_task(self.connections.run(self._p2p), name="connection-paths"))
+        self._tasks.append(asyncio.create_task(self.reverse.run(), name="reverse-dial"))
         if self.rotations is not None:
             self._tasks.append(asyncio.create_task(self.rotations.run(), name="upm-rotations"))
         await self._join_stage()
@@ -294,6 +301,24 @@ class StageNode:
         if mode == "public" and self.reachability.status != DIRECT:
             raise JoinError(f"--reachability public: {self.reachability.explain()}", EXIT_NOT_REACHABLE)
         self._report_reachability()
+
+    async def _callers(self) -> list[str]:
+        """Peers that must be able to call this node when nobody can dial it (``ReverseDialer``): its own stage's
+        replicas (averaging, audits) and the previous stage's, or the trainers for the head. Nothing to do (no DHT
+        read) while this node is reachable."""
+        unreachable = self.opts.reachability == "relay" or (
+            self.reachability is not None and self.reachability.status == UNREACHABLE)
+        stage = self.stage_index
+        if not unreachable or stage is None:
+            return []
+        m = self.manifest
+        peers = [r.peer_id for r in await self.run_io(read_stage, self.dht, m.run_id, stage, m.hash)]
+        if stage > 0:
+            peers += [r.peer_id for r in await self.run_io(read_stage, self.dht, m.run_id, stage - 1, m.hash)]
+        else:
+            trainers = await self.run_io(read_subkeys, self.dht, trainers_key(m.run_id))
+            peers += [pid for pid, v in trainers.items() if isinstance(v, dict) and v.get("manifest_hash") == m.hash]
+        return peers
 
     def _report_reachability(self) -> None:
         mode, text = self.opts.reachability, self.reachability.explain()
