@@ -134,10 +134,11 @@ def _start_dht(initial_peers: Sequence[str], endpoint: Endpoint, client_mode: bo
         kwargs.update(relay_args(endpoint.reachability))
         if endpoint.reachability == "relay" and initial_peers:
             # The peers we joined through answered us, so they are reachable, and every p2pd serves as a relay: offer
-            # them to libp2p's auto-relay as its first candidates. It still waits for 4 candidates or 3 minutes before
-            # it reserves a slot (go-libp2p defaults), because p2pd uses static relays alone only with
-            # -relayDiscovery=0, which hivemind's P2P.create cannot pass (docs/TRANSPORT.md, "Reachability").
-            kwargs["trusted_relays"] = list(initial_peers)
+            # them to libp2p's auto-relay as its first candidates. It still waits for several candidates or a boot
+            # delay of minutes before it reserves a slot (go-libp2p's minCandidates, bootDelay), because p2pd uses
+            # static relays alone only with -relayDiscovery=0, which hivemind's P2P.create cannot pass
+            # (docs/TRANSPORT.md, "Reachability"). p2pd panics on a relay address without a peer id.
+            kwargs["trusted_relays"] = [p for p in initial_peers if "/p2p/" in str(p)] or None
     if endpoint.announce_host:
         kwargs["announce_maddrs"] = [f"/ip4/{endpoint.announce_host}/tcp/{port}"]
     if netns is None:
