@@ -248,8 +248,8 @@ def test_namespace_that_refuses_inbound(tmp_path):
             proc.terminate()
         log = home.communicate(timeout=60)[0]
         head.wait(timeout=60)
-        assert "Restarting this peer's libp2p daemon to serve through circuit relays" in log, log[-3000:]
-        assert "Serving through libp2p circuit relays" in log, log[-3000:]
+        assert "Restarting this peer's libp2p daemon in relay mode" in log, log[-3000:]
+        assert "Serving meanwhile over connections this node opens to the peers that call it" in log, log[-3000:]
         reach = json.loads(home_summary.read_text())["reachability"]
         assert reach["status"] == "unreachable" and reach["answers"], reach
         # The node nobody can dial computed the head of every microbatch the trainer completed, over the connection

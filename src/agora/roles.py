@@ -254,8 +254,8 @@ def _probe_before_serving(dht, manifest: Manifest) -> Optional[Reachability]:
         logger.warning(f"could not ask peers whether they can connect back: {err!r}")
         return None
     if reach.status == UNREACHABLE:
-        logger.warning(f"reachability: {reach.explain()}. Restarting this peer's libp2p daemon to serve through "
-                       f"circuit relays on publicly reachable peers (as --reachability relay)")
+        logger.warning(f"reachability: {reach.explain()}. Restarting this peer's libp2p daemon in relay mode (as "
+                       f"--reachability relay): it will open connections to the peers that call it")
     return reach
 
 

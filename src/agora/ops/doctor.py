@@ -152,6 +152,7 @@ def _reachability(dht, manifest: Manifest) -> Check:
         return Check("reachability", OK, f"direct: {result.explain()}")
     if result.status == UNREACHABLE:
         return Check("reachability", WARN, f"relayed: {result.explain()}. Meanwhile `agora node` (--reachability "
-                                           f"auto or relay) serves through libp2p circuit relays on publicly "
-                                           f"reachable peers, slower; --reachability public would refuse to start")
+                                           f"auto or relay) serves over connections it opens to the peers that call "
+                                           f"it; an unreachable peer in an adjacent stage cannot reach it; "
+                                           f"--reachability public would refuse to start")
     return Check("reachability", WARN, f"unknown: {result.explain()}")

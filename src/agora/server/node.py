@@ -325,9 +325,9 @@ class StageNode:
         if self.reachability.status == DIRECT:
             logger.info(f"reachability: {text}")
         elif self.reachability.status == UNREACHABLE:
-            logger.warning(f"reachability: {text}. Serving through libp2p circuit relays on publicly reachable peers "
-                           f"meanwhile (--reachability {mode}): every byte to and from this node then crosses a relay, "
-                           f"slower than a direct connection")
+            logger.warning(f"reachability: {text}. Serving meanwhile over connections this node opens to the peers "
+                           f"that call it (--reachability {mode}); an unreachable peer in an adjacent stage cannot "
+                           f"reach this one (libp2p relays reserve a slot only after minutes, if at all)")
         else:
             logger.warning(f"reachability: {text}; serving anyway")
 
