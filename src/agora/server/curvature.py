@@ -5,6 +5,7 @@ says what a stage's measurement sees and misses)."""
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -13,6 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from agora.optim import lr_at
 from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters
+
+_SDPA_FLAGS = threading.Lock()  # held while the attention kernel flags are switched to the math kernel
 
 
 @dataclass
@@ -69,7 +72,9 @@ class StageCurvature:
             self.skipped += 1
             return None
         # Fused attention kernels have no second derivative; the math kernel computes the same function and has.
-        with sdpa_kernel(SDPBackend.MATH):
+        # sdpa_kernel sets process-wide flags: with several nodes in one process (as tests run them), another
+        # compute thread leaving its own block would turn the fused kernels back on in the middle of ours.
+        with _SDPA_FLAGS, sdpa_kernel(SDPBackend.MATH):
             value = self.tracker.measure(self._loss, *self._second_moments())
         self.seconds += self.tracker.last_seconds
         lr = lr_at(self.rt.manifest.optimizer, step)
