@@ -17,6 +17,11 @@ rows add one source of difference at a time to ``serial``, then all together:
   all_no_overlap  ``all`` with overlap off
   all_capped      ``all`` with every peer's link capped at ``link_mbps`` (only with ``link_mbps``)
   upm, upm_5s     ``replicas`` with UPM: every boundary's frame rotated every ``upm_every_s`` (30 s), or every 5 s
+  nadam           ``all`` with NAdam (betas 0.99, 0.999: the asynchronous-pipeline recipe) instead of AdamW
+  nadam_lookahead ``nadam`` with the look-ahead: forwards while a step is pending run one predicted update ahead
+  nadam_no_overlap ``nadam`` with overlap off (no forward waits on a pending step: nothing for a look-ahead to do)
+
+The NAdam rows are compared with a centralized NAdam run of the same seed (``centralized_nadam``), not with AdamW's.
 
 Reported per row: the validation loss ratio to the same seed's centralized run (median and min-max over seeds), the
 steps each stage took (a centralized run takes ``steps``), and the training-loss curves against tokens (plot).
@@ -36,7 +41,10 @@ from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
 ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "sparse", "diloco", "gossip", "all", "all_no_overlap",
-        "all_capped", "upm", "upm_5s")
+        "all_capped", "upm", "upm_5s", "nadam", "nadam_lookahead", "nadam_no_overlap")
+# The optimizer settings of rows that change it; their centralized arm runs with the same settings.
+NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
+OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
 # The issue's targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
 TARGETS = {"serial": 1.001, "all": 1.02, "all_no_overlap": 1.02, "powersgd": 1.03, "sparse": 1.03}
 SWARM_TIMEOUT_S = 7200
@@ -70,7 +78,7 @@ class ConvergenceOptions:
         def row(replicas: int, in_flight: int, overlap: Optional[bool], averaging: Optional[str] = None,
                 mbps: Optional[float] = None, upm: Optional[float] = None) -> dict:
             return dict(replicas=replicas, in_flight=in_flight, overlap=overlap, averaging=averaging, mbps=mbps,
-                        upm_every_s=upm)
+                        upm_every_s=upm, overrides=None)
 
         shapes = {
             "serial": row(1, 1, False),
@@ -86,7 +94,12 @@ class ConvergenceOptions:
             "all_no_overlap": row(r, f, False),
             "upm": row(r, 1, False, upm=self.upm_every_s),
             "upm_5s": row(r, 1, False, upm=5.0),
+            "nadam": row(r, f, None),
+            "nadam_lookahead": row(r, f, None),
+            "nadam_no_overlap": row(r, f, False),
         }
+        for name, settings in OPTIMIZERS.items():
+            shapes[name]["overrides"] = settings
         if self.link_mbps is not None:
             shapes["all_capped"] = row(r, f, None, mbps=self.link_mbps)
         if self.rows is None:
@@ -108,31 +121,50 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
     out = Path(out)
     runs: list[dict] = []
     for seed in opts.seeds:
-        manifest = demo_manifest(opts.preset, opts.stages, seed=seed)
         folder = out / f"seed{seed}"
-        log(f"convergence: seed {seed}: centralized, {opts.preset}, {opts.steps} steps")
-        central = train_local(manifest, opts.steps, folder / "centralized", val_batches=opts.val_batches,
-                              eval_every=max(1, opts.steps // 5), shard=(0, 1))
-        runs.append({"seed": seed, "row": "centralized", "tokens": central["tokens"], "val_loss": central["val_loss"],
-                     "loss_ratio": 1.0, "steps_per_stage": {str(s): opts.steps for s in range(opts.stages)},
-                     "wall_s": central["wall_s"],
-                     "curve": [[h["tokens"], h["loss"]] for h in central["history"]],
-                     "val_curve": [[e["tokens"], e["val_loss"]] for e in central["evals"]]})
+        centrals: dict[str, dict] = {}  # per optimizer: the rows that change it are compared with their own
         for name, shape in shapes.items():
+            arm = _central_arm(shape)
+            if arm not in centrals:
+                centrals[arm] = _centralized(folder, opts, seed, arm, shape["overrides"], log)
+                runs.append(centrals[arm]["run"])
             log(f"convergence: seed {seed}: {name} ({_describe(shape)})")
-            runs.append(_swarm_row(folder / name, opts, seed, name, shape, central))
+            runs.append(_swarm_row(folder / name, opts, seed, name, shape, centrals[arm]))
             _write(out, opts, runs)
     result, md = _write(out, opts, runs)
     log(md)
     return result
 
 
+def _central_arm(shape: dict) -> str:
+    """The centralized arm a row is compared with: ``centralized``, or ``centralized_nadam`` for the NAdam rows
+    (a look-ahead only changes the swarm: a centralized run has no pending step)."""
+    name = (shape.get("overrides") or {}).get("optimizer.name")
+    return f"centralized_{name}" if name else "centralized"
+
+
+def _centralized(folder: Path, opts: ConvergenceOptions, seed: int, arm: str, overrides: Optional[dict],
+                 log: Callable[[str], None]) -> dict:
+    settings = {k: v for k, v in (overrides or {}).items() if k != "optimizer.lookahead"}
+    manifest = demo_manifest(opts.preset, opts.stages, seed=seed, overrides=settings or None)
+    log(f"convergence: seed {seed}: {arm}, {opts.preset}, {opts.steps} steps")
+    central = train_local(manifest, opts.steps, folder / arm, val_batches=opts.val_batches,
+                          eval_every=max(1, opts.steps // 5), shard=(0, 1))
+    central["run"] = {"seed": seed, "row": arm, "tokens": central["tokens"], "val_loss": central["val_loss"],
+                      "loss_ratio": 1.0, "steps_per_stage": {str(s): opts.steps for s in range(opts.stages)},
+                      "wall_s": central["wall_s"],
+                      "curve": [[h["tokens"], h["loss"]] for h in central["history"]],
+                      "val_curve": [[e["tokens"], e["val_loss"]] for e in central["evals"]]}
+    return central
+
+
 def _describe(shape: dict) -> str:
     overlap = {None: "preset's overlap", True: "overlap", False: "no overlap"}[shape["overlap"]]
     link = f", links {shape['mbps']:g} Mbit/s" if shape["mbps"] else ""
     upm = f", UPM rotations every {shape['upm_every_s']:g} s" if shape.get("upm_every_s") else ""
+    settings = "".join(f", {k.split('.')[-1]}={v}" for k, v in (shape.get("overrides") or {}).items())
     return (f"{shape['replicas']} replicas, {shape['in_flight']} in flight, {overlap}, "
-            f"{shape['averaging'] or 'preset'} averaging{link}{upm}")
+            f"{shape['averaging'] or 'preset'} averaging{link}{upm}{settings}")
 
 
 def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, shape: dict, central: dict) -> dict:
@@ -140,7 +172,8 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
         out=folder,
         shape=SwarmShape(preset=opts.preset, stages=opts.stages, replicas=shape["replicas"],
                          in_flight=shape["in_flight"], averaging=shape["averaging"], val_batches=opts.val_batches,
-                         seed=seed, overlap_rounds=shape["overlap"], upm_every_s=shape.get("upm_every_s")),
+                         seed=seed, overlap_rounds=shape["overlap"], upm_every_s=shape.get("upm_every_s"),
+                         overrides=shape.get("overrides")),
         stop=StopRule(steps=opts.steps, tokens=central["tokens"], exact_tokens=True, timeout=SWARM_TIMEOUT_S),
         link=LinkOptions(mbps=shape["mbps"]) if shape["mbps"] else LinkOptions(),
         nodes=NodeExtras(args=None if opts.rebalance else ["--rebalance-every", "0"]),
@@ -160,6 +193,8 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
             # UPM rows: rotations applied on the first boundary (the head's output frame epoch, max over replicas)
             "rotations": max([int((n.get("upm") or {}).get("epoch_out") or 0) for n in nodes
                               if n.get("stage") == 0] or [0]),
+            # look-ahead rows: training forwards that ran while their stage's step was pending (every node)
+            "lookahead_forwards": sum(int(n.get("lookahead_forwards") or 0) for n in nodes),
             # Over the training window (every trainer announced .. the stages applied the last sample), as in
             # ``bench efficiency``: start-up, validation and shutdown differ between rows for reasons of their own.
             "tokens_per_s": s["tokens"] / window if (window := (s.get("cpu_window") or {}).get("seconds")) else None,
@@ -187,6 +222,7 @@ def summarize_rows(runs: list[dict], steps: int) -> dict[str, dict]:
             "tokens_per_s": _spread([r["tokens_per_s"] for r in mine]) if all(r.get("tokens_per_s") for r in mine)
             else None,
             "rotations": [r.get("rotations", 0) for r in mine],
+            "lookahead_forwards": [r.get("lookahead_forwards", 0) for r in mine],
         }
     return rows
 
@@ -210,12 +246,14 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
 
     table = markdown_table(
         ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage",
-         "tokens/s (training window)", "rotations"],
+         "tokens/s (training window)", "rotations", "look-ahead forwards"],
         [[name, len(r["seeds"]), fmt(r["val_loss"], ".4f"), fmt(r["loss_ratio"], ".4f"),
           "" if r["target"] is None else f"<= {r['target']:g}", "" if r["met"] is None else ("yes" if r["met"] else "NO"),
           f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"],
           fmt(r["tokens_per_s"], ".0f") if r.get("tokens_per_s") else "",
-          ",".join(str(x) for x in r.get("rotations") or []) if any(r.get("rotations") or []) else ""]
+          ",".join(str(x) for x in r.get("rotations") or []) if any(r.get("rotations") or []) else "",
+          ",".join(str(x) for x in r.get("lookahead_forwards") or [])
+          if any(r.get("lookahead_forwards") or []) else ""]
          for name, r in rows.items()])
     return (f"`{opts.preset}`, {opts.stages} stages, {opts.steps} optimizer steps' tokens per arm, seeds "
             f"{list(opts.seeds)}; median (min-max) over seeds of the validation loss and of its ratio to the same "

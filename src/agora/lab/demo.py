@@ -78,6 +78,7 @@ class SwarmShape:
     seed: Optional[int] = None  # the run's seed (None: the preset's)
     overlap_rounds: Optional[bool] = None  # batch.overlap_rounds (None: the preset's)
     upm_every_s: Optional[float] = None  # UPM: rotate every boundary's frame this often (security.upm; None: off)
+    overrides: Optional[dict] = None  # any other manifest settings, dotted keys (e.g. {"optimizer.name": "nadam"})
 
 
 @dataclass(frozen=True)
@@ -594,7 +595,7 @@ def _write_manifest(options: DemoOptions, out: Path) -> tuple[Manifest, Path, Op
     out.mkdir(parents=True, exist_ok=True)
     shape = options.shape
     manifest = demo_manifest(shape.preset, shape.stages, shape.residual, shape.averaging, shape.seed,
-                             shape.overlap_rounds, shape.upm_every_s)
+                             shape.overlap_rounds, shape.upm_every_s, shape.overrides)
     authority = LocalAuthority(out / "keys") if options.allow_list else None
     if authority is not None:
         manifest = authority.secure(manifest)

@@ -32,11 +32,13 @@ def averaging_section(spec: str) -> dict:
 
 def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
                   averaging: Optional[str] = None, seed: Optional[int] = None,
-                  overlap_rounds: Optional[bool] = None, upm_every_s: Optional[float] = None) -> Manifest:
+                  overlap_rounds: Optional[bool] = None, upm_every_s: Optional[float] = None,
+                  overrides: Optional[dict] = None) -> Manifest:
     """The preset re-split into ``stages``; ``residual="dense"`` turns compression off (fp32 boundaries);
     ``averaging`` sets the replicas' averaging scheme (a spec for :func:`averaging_section`); ``seed`` replaces the
     preset's (initial weights, data order, every random draw); ``overlap_rounds`` sets ``batch.overlap_rounds``;
-    ``upm_every_s`` turns UPM rotations on (``security.upm.every_s``)."""
+    ``upm_every_s`` turns UPM rotations on (``security.upm.every_s``); ``overrides``: any other manifest settings
+    (dotted keys, e.g. ``{"optimizer.name": "nadam"}``), applied last."""
     m = load_manifest(preset)
     if seed is not None:
         m = m.with_overrides(seed=seed)
@@ -52,6 +54,8 @@ def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
         m = m.with_overrides(**{"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"})
     elif residual not in (None, "subspace"):
         raise ValueError(f"residual must be 'dense' or 'subspace', got {residual!r}")
+    if overrides:
+        m = m.with_overrides(**overrides)
     return m
 
 

@@ -274,6 +274,7 @@ def _node_row(child: Child, s: dict) -> dict:
             "hedge_claims_granted": s.get("hedge_claims_granted", 0),
             "curvature": s.get("curvature"), "consensus_distance": s.get("consensus_distance"),
             "utilisation": s.get("utilisation"), "upm": s.get("upm"), "firewalled": child.firewalled,
+            "lookahead_forwards": s.get("lookahead_forwards"),
             "reachability": (s.get("reachability") or {}).get("status"), "connections": s.get("connections"),
             "forward": (s.get("counters") or {}).get("forward"), "called": s.get("called")}
 

@@ -115,6 +115,11 @@ class StageNode:
 
     def __init__(self, manifest: Manifest, stage: int, dht: DHT, options: Optional[NodeOptions] = None):
         self.manifest, self.dht, self.opts = manifest, dht, options or NodeOptions()
+        if self.opts.sentinel and manifest.optimizer.lookahead:
+            # Audits recompute a message on the live weights of its version; a look-ahead forward ran on weights
+            # extrapolated from them, so every honest message sent while a step was pending would fail its audit.
+            raise ValueError("--sentinel cannot audit a run with optimizer.lookahead (its forwards run on "
+                             "extrapolated weights that an auditor does not hold); run without one of them")
         self.peer_id = str(dht.peer_id)
         self.state = PeerState.JOINING
         self.counters = Counters()

@@ -275,8 +275,14 @@ class StageRuntime:
         self.wire_dtype = WIRE_DTYPES[manifest.residual.wire_dtype]
         self.fingerprint_at: Callable[[int], Optional[float]] = lambda step: None
         self.output_filters: list[OutputFilter] = []
-        self._stash_version = -1
+        self._stash_key: tuple = (-1, False)
         self._stash_weights: Optional[dict] = None
+        # NAdam's look-ahead (``optimizer.lookahead``): forwards that run while this stage's step is pending (its
+        # gradients taken, the round still averaging: ``batch.overlap_rounds``) have their gradients applied one step
+        # late, so they run on the weights extrapolated one predicted update ahead (``DelayedNAdam``).
+        self.lookahead = manifest.optimizer.name == "nadam" and manifest.optimizer.lookahead
+        self.step_pending = False  # between ``take_gradients`` and ``apply_step``
+        self.lookahead_forwards = 0  # training forwards that ran on look-ahead weights
         self._sample_at = self._sample_positions()
         # (step, values): taken together, so a record never pairs one step with another step's values
         self.parameter_sample: tuple[int, list[float]] = (self.step, self.sample_parameters())
@@ -305,6 +311,7 @@ class StageRuntime:
         gradients, samples and measurements of an earlier stint are dropped (they belong to a stage left)."""
         self.generation, self.active = generation, True
         self.version += 1
+        self.step_pending = False
         for p in self.stage.parameters():
             p.grad = None
         self.samples = 0
@@ -342,22 +349,33 @@ class StageRuntime:
         coords = None if self.is_head else tensors[0]
         coords, back = self._into_frame(coords, frame)
         stash = self._stashed() if train and not self.is_tail else None
+        ahead = train and self.lookahead and self.step_pending
+        if ahead:
+            self.lookahead_forwards += 1
         # recompute: the graph is not kept; the backward rebuilds it from the input on the same snapshot.
         keep_graph = train and (self.is_tail or self.options.backward == "stash")
         loss = None
-        with torch.set_grad_enabled(keep_graph):
-            with self._autocast():
-                leaf, out = self.forward_from(coords, tokens, stash)
+        # The tail's backward runs right here: with the look-ahead its live parameters hold the extrapolated
+        # weights for the forward and backward, and the master weights again before anything else runs.
+        swapped = (self._swap_in({n: w.detach() for n, w in self._stashed().items()})
+                   if ahead and self.is_tail else None)
+        try:
+            with torch.set_grad_enabled(keep_graph):
+                with self._autocast():
+                    leaf, out = self.forward_from(coords, tokens, stash)
+                    if self.is_tail:
+                        loss_t = self.stage.loss(out, next_token_targets(tokens, last))
                 if self.is_tail:
-                    loss_t = self.stage.loss(out, next_token_targets(tokens, last))
-            if self.is_tail:
-                loss = float(loss_t.detach())
-                if train:
-                    # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean. (Outside
-                    # autocast: the backward runs in the dtypes the forward chose.)
-                    (loss_t * tokens.shape[0]).backward()
-                    if self.curvature is not None:
-                        self.curvature.keep(coords, tokens, targets=next_token_targets(tokens, last))
+                    loss = float(loss_t.detach())
+                    if train:
+                        # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean. (Outside
+                        # autocast: the backward runs in the dtypes the forward chose.)
+                        (loss_t * tokens.shape[0]).backward()
+                        if self.curvature is not None:
+                            self.curvature.keep(coords, tokens, targets=next_token_targets(tokens, last))
+        finally:
+            if swapped is not None:
+                self._swap_in(swapped)
         fwd_s = self._account(t0, tokens.numel(), "forward")
         if self.is_tail and train:
             self._measure(tokens.numel(), fwd_s)  # the tail's forward includes its backward
@@ -404,11 +422,37 @@ class StageRuntime:
         return boundary
 
     def _stashed(self) -> dict:
-        """The weight snapshot of the current parameter version (made once per version: one copy per step)."""
-        if self._stash_version != self.version or self._stash_weights is None:
-            self._stash_weights = {n: p.detach().clone().requires_grad_(True) for n, p in self.stage.named_parameters()}
-            self._stash_version = self.version
+        """The weight snapshot of the current parameter version (made once per version: one copy per step), or,
+        with the look-ahead while a step is pending, of the weights one predicted update ahead."""
+        key = (self.version, self.lookahead and self.step_pending)
+        if self._stash_key != key or self._stash_weights is None:
+            values = self._lookahead_values() if key[1] else {n: p.detach() for n, p in self.stage.named_parameters()}
+            self._stash_weights = {n: v.clone().requires_grad_(True) for n, v in values.items()}
+            self._stash_key = key
         return self._stash_weights
+
+    @torch.no_grad()
+    def _lookahead_values(self) -> dict:
+        """Every parameter of the stage, the trained ones moved by NAdam's predicted next update (the update the
+        pending step would make if its gradient equalled the momentum; ``DelayedNAdam.lookahead_weights``), at the
+        learning rate of the pending step. Frozen parameters (bypassed blocks) and a first step's (no momentum yet)
+        stay as they are."""
+        set_lr(self.optimizer, self.manifest.optimizer, self.step)
+        held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        named = [(n, p) for n, p in self.stage.named_parameters()]
+        trained = [(n, p) for n, p in named if id(self._master(p)) in held]
+        ahead = self.optimizer.lookahead_weights(delay=1, params=[self._master(p) for _, p in trained])
+        values = {n: p.detach() for n, p in named}
+        for (name, p), w in zip(trained, ahead):
+            values[name] = w.to(p.device, p.dtype)
+        return values
+
+    def _swap_in(self, values: dict) -> dict:
+        """Put ``values`` (name -> tensor) into the stage's parameters; returns what they held (to swap back)."""
+        held = {}
+        for name, p in self.stage.named_parameters():
+            held[name], p.data = p.data, values[name]
+        return held
 
     def forward_from(self, coords: Optional[torch.Tensor], tokens: torch.Tensor, weights: Optional[dict] = None):
         """(leaf, output): ``leaf`` is the received coordinates as a grad-tracking leaf (None on the head).
@@ -574,6 +618,7 @@ class StageRuntime:
             grads.append(g.div_(max(n, 1)))
             p.grad = None
         self.samples = 0
+        self.step_pending = True  # until ``apply_step``: forwards meanwhile are a step late (look-ahead)
         return n, grads
 
     def apply_step(self, grads: Optional[list[torch.Tensor]], clip_scale: Optional[float] = None,
@@ -613,6 +658,7 @@ class StageRuntime:
             p.grad = g
         self.version += 1
         self.step += 1
+        self.step_pending = False
         if not hold_warmup:
             self.warmup_clock += 1
         self._grow()
@@ -749,6 +795,7 @@ class StageRuntime:
         self.parameter_sample = (self.step, self.sample_parameters())
         if not keep_grads:
             self.samples = 0
+            self.step_pending = False
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
 
     def _master(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
