@@ -55,6 +55,7 @@ def _values(rt):
 def test_a_forward_during_a_pending_step_runs_on_the_lookahead_weights():
     ahead = _runtimes(AHEAD)
     _trained_steps(ahead)
+    _microbatch(ahead, *_batch(BASE, 6))  # the batch fills on the live weights (each stage keeps their snapshot)
     masters = [_values(rt) for rt in ahead]
     for rt in ahead:
         rt.take_gradients()  # the step is pending now: the round would be averaging these
@@ -74,7 +75,7 @@ def test_a_forward_during_a_pending_step_runs_on_the_lookahead_weights():
     loss_plain = _microbatch(plain, tokens, last)
     assert loss_ahead == pytest.approx(loss_plain, rel=1e-6)
     for rt_a, rt_p, before in zip(ahead, plain, masters):
-        assert rt_a.lookahead_forwards == 1 and rt_p.lookahead_forwards == 0
+        assert rt_a.counters.lookahead_forwards == 1 and rt_p.counters.lookahead_forwards == 0
         for p, q, w in zip(rt_a.stage.parameters(), rt_p.stage.parameters(), before):
             assert torch.equal(p.detach(), w)  # the master weights did not move
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)  # the gradient at the look-ahead
@@ -91,7 +92,17 @@ def test_after_the_step_forwards_run_on_the_stepped_weights_again():
         rt.load_parameters(_values(src))
     tokens, last = _batch(BASE, 8)
     assert _microbatch(ahead, tokens, last) == _microbatch(reference, tokens, last)
-    assert all(rt.lookahead_forwards == 0 for rt in ahead)
+    assert all(rt.counters.lookahead_forwards == 0 for rt in ahead)
+
+
+def test_before_the_first_step_there_is_nothing_to_extrapolate():
+    ahead = _runtimes(AHEAD)
+    for rt in ahead:
+        rt.take_gradients()  # step 0 pending: no momentum yet, so the forwards run on the live weights
+    twin = _runtimes(BASE)
+    tokens, last = _batch(BASE, 10)
+    assert _microbatch(ahead, tokens, last) == _microbatch(twin, tokens, last)
+    assert all(rt.counters.lookahead_forwards == 0 for rt in ahead)
 
 
 def test_without_lookahead_a_pending_step_changes_nothing():

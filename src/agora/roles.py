@@ -332,7 +332,7 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
                    if node.manifest.training.warmup_depth is not None else None),
         # NAdam look-ahead (optimizer.lookahead): training forwards that ran while a step was pending, on weights
         # extrapolated one predicted update ahead
-        "lookahead_forwards": node.runtime.lookahead_forwards if node.runtime.lookahead else None,
+        "lookahead_forwards": node.counters.lookahead_forwards if node.runtime.lookahead else None,
         # UPM: frames drawn, received, refused, sent; this stage's frame epochs and the rotations due
         "upm": node.rotations.summary() if node.rotations is not None else None,
         **node.state_access.summary(),

@@ -122,30 +122,32 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
     runs: list[dict] = []
     for seed in opts.seeds:
         folder = out / f"seed{seed}"
-        centrals: dict[str, dict] = {}  # per optimizer: the rows that change it are compared with their own
+        centrals: dict[tuple, dict] = {}  # rows that change the optimizer get a centralized arm of their own
         for name, shape in shapes.items():
-            arm = _central_arm(shape)
-            if arm not in centrals:
-                centrals[arm] = _centralized(folder, opts, seed, arm, shape["overrides"], log)
-                runs.append(centrals[arm]["run"])
+            arm, settings = _central_arm(shape)
+            key = tuple(sorted(settings.items()))
+            if key not in centrals:
+                centrals[key] = _centralized(folder, opts, seed, arm, settings, log)
+                runs.append(centrals[key]["run"])
             log(f"convergence: seed {seed}: {name} ({_describe(shape)})")
-            runs.append(_swarm_row(folder / name, opts, seed, name, shape, centrals[arm]))
+            runs.append(_swarm_row(folder / name, opts, seed, name, shape, centrals[key]))
             _write(out, opts, runs)
     result, md = _write(out, opts, runs)
     log(md)
     return result
 
 
-def _central_arm(shape: dict) -> str:
-    """The centralized arm a row is compared with: ``centralized``, or ``centralized_nadam`` for the NAdam rows
-    (a look-ahead only changes the swarm: a centralized run has no pending step)."""
-    name = (shape.get("overrides") or {}).get("optimizer.name")
-    return f"centralized_{name}" if name else "centralized"
+def _central_arm(shape: dict) -> tuple[str, dict]:
+    """The centralized arm a row is compared with (its name, its manifest settings): ``centralized``, or
+    ``centralized_nadam`` for the NAdam rows. The look-ahead is left out: it only changes the swarm (a centralized
+    run has no pending step)."""
+    settings = {k: v for k, v in (shape.get("overrides") or {}).items() if k != "optimizer.lookahead"}
+    name = settings.get("optimizer.name")
+    return (f"centralized_{name}" if name else "centralized"), settings
 
 
-def _centralized(folder: Path, opts: ConvergenceOptions, seed: int, arm: str, overrides: Optional[dict],
+def _centralized(folder: Path, opts: ConvergenceOptions, seed: int, arm: str, settings: dict,
                  log: Callable[[str], None]) -> dict:
-    settings = {k: v for k, v in (overrides or {}).items() if k != "optimizer.lookahead"}
     manifest = demo_manifest(opts.preset, opts.stages, seed=seed, overrides=settings or None)
     log(f"convergence: seed {seed}: {arm}, {opts.preset}, {opts.steps} steps")
     central = train_local(manifest, opts.steps, folder / arm, val_batches=opts.val_batches,
@@ -257,8 +259,8 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
          for name, r in rows.items()])
     return (f"`{opts.preset}`, {opts.stages} stages, {opts.steps} optimizer steps' tokens per arm, seeds "
             f"{list(opts.seeds)}; median (min-max) over seeds of the validation loss and of its ratio to the same "
-            f"seed's centralized run, on the same held-out batches at equal tokens. A centralized run takes "
-            f"{opts.steps} steps.\n\n{table}")
+            f"seed's centralized run (NAdam rows: its centralized NAdam run), on the same held-out batches at equal "
+            f"tokens. A centralized run takes {opts.steps} steps.\n\n{table}")
 
 
 def _plot(path: Path, runs: list[dict], opts: ConvergenceOptions) -> None:
@@ -270,13 +272,15 @@ def _plot(path: Path, runs: list[dict], opts: ConvergenceOptions) -> None:
 
     seed = opts.seeds[0]
     fig, ax = plt.subplots(figsize=(8, 5))
+    markers = iter("^svD")
     for r in [r for r in runs if r["seed"] == seed]:
+        central = r["row"].startswith("centralized")
         if r["curve"]:
             xs, ys = zip(*r["curve"])
-            ax.plot(xs, ys, label=r["row"], linewidth=1.8 if r["row"] == "centralized" else 1.0)
+            ax.plot(xs, ys, label=r["row"], linewidth=1.8 if central else 1.0)
         if r.get("val_curve"):
             xs, ys = zip(*r["val_curve"])
-            ax.plot(xs, ys, "k^", label="centralized validation")
+            ax.plot(xs, ys, "k" + next(markers, "o"), label=f"{r['row']} validation")
     ax.set_xlabel("tokens")
     ax.set_ylabel("training loss")
     ax.set_title(f"{opts.preset}, seed {seed}: swarm rows against centralized at equal tokens")

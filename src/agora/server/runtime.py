@@ -58,6 +58,9 @@ class Counters:
     # applied at the next step after that). Sum and count give the mean; the max bounds the pipeline's delay.
     staleness_sum: int = 0
     staleness_max: int = 0
+    # NAdam look-ahead (``optimizer.lookahead``): training forwards that ran while their stage's step was pending, on
+    # weights extrapolated one predicted update ahead
+    lookahead_forwards: int = 0
     rejected_by_code: dict[str, int] = field(default_factory=dict)
 
 
@@ -281,8 +284,7 @@ class StageRuntime:
         # gradients taken, the round still averaging: ``batch.overlap_rounds``) have their gradients applied one step
         # late, so they run on the weights extrapolated one predicted update ahead (``DelayedNAdam``).
         self.lookahead = manifest.optimizer.name == "nadam" and manifest.optimizer.lookahead
-        self.step_pending = False  # between ``take_gradients`` and ``apply_step``
-        self.lookahead_forwards = 0  # training forwards that ran on look-ahead weights
+        self.step_pending = False  # between ``take_gradients`` and ``apply_step`` (or a round that failed)
         self._sample_at = self._sample_positions()
         # (step, values): taken together, so a record never pairs one step with another step's values
         self.parameter_sample: tuple[int, list[float]] = (self.step, self.sample_parameters())
@@ -348,10 +350,10 @@ class StageRuntime:
         tokens, last = self._in(tensors[-2]).long(), self._in(tensors[-1]).long()
         coords = None if self.is_head else tensors[0]
         coords, back = self._into_frame(coords, frame)
-        stash = self._stashed() if train and not self.is_tail else None
-        ahead = train and self.lookahead and self.step_pending
+        ahead = train and self._ahead()
         if ahead:
-            self.lookahead_forwards += 1
+            self.counters.lookahead_forwards += 1
+        stash = self._stashed() if train and not self.is_tail else None
         # recompute: the graph is not kept; the backward rebuilds it from the input on the same snapshot.
         keep_graph = train and (self.is_tail or self.options.backward == "stash")
         loss = None
@@ -424,12 +426,17 @@ class StageRuntime:
     def _stashed(self) -> dict:
         """The weight snapshot of the current parameter version (made once per version: one copy per step), or,
         with the look-ahead while a step is pending, of the weights one predicted update ahead."""
-        key = (self.version, self.lookahead and self.step_pending)
+        key = (self.version, self._ahead())
         if self._stash_key != key or self._stash_weights is None:
             values = self._lookahead_values() if key[1] else {n: p.detach() for n, p in self.stage.named_parameters()}
             self._stash_weights = {n: v.clone().requires_grad_(True) for n, v in values.items()}
             self._stash_key = key
         return self._stash_weights
+
+    def _ahead(self) -> bool:
+        """Whether a training forward now runs on look-ahead weights: the run uses them, this stage's step is
+        pending, and there is momentum to extrapolate along (not before the first step)."""
+        return self.lookahead and self.step_pending and self.step > 0
 
     @torch.no_grad()
     def _lookahead_values(self) -> dict:
@@ -527,7 +534,8 @@ class StageRuntime:
     # ------------------------------------------------------------------ audits (SENTINEL)
     def recompute_head(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
         """An audit request to a head: the boundary coordinates it sends for these tokens, without training (the
-        same computation as a training forward, whose stashed weights equal the live ones of that version)."""
+        same computation as a training forward, whose stashed weights equal the live ones of that version; not so
+        with ``optimizer.lookahead``, which is why a node refuses ``--sentinel`` with it)."""
         self.check_generation(generation)
         tokens = self._in(tensors[-2]).long()
         with torch.no_grad(), self._autocast():
@@ -659,6 +667,8 @@ class StageRuntime:
         self.version += 1
         self.step += 1
         self.step_pending = False
+        if self.is_tail:
+            self._stash_weights = None  # the tail's only snapshot is a look-ahead: not kept beyond its window
         if not hold_warmup:
             self.warmup_clock += 1
         self._grow()

@@ -700,6 +700,9 @@ class ReplicaSync:
             await self._round(n_others, stalled)
         finally:
             self.stepping = False
+            # A round that failed between taking the gradients and the step leaves no step pending (the runtime
+            # clears it when the step is applied): the next forwards are not one step late.
+            self.ctx.runtime.step_pending = False
 
     async def _round(self, n_others: int, stalled: bool) -> None:
         c, rt = self.ctx, self.ctx.runtime
