@@ -283,7 +283,7 @@ class StageRuntime:
         # NAdam's look-ahead (``optimizer.lookahead``): forwards that run while this stage's step is pending (its
         # gradients taken, the round still averaging: ``batch.overlap_rounds``) have their gradients applied one step
         # late, so they run on the weights extrapolated one predicted update ahead (``DelayedNAdam``).
-        self.lookahead = manifest.optimizer.name == "nadam" and manifest.optimizer.lookahead
+        self.lookahead = manifest.optimizer.lookahead  # the manifest allows it with nadam only
         self.step_pending = False  # between ``take_gradients`` and ``apply_step`` (or a round that failed)
         self._sample_at = self._sample_positions()
         # (step, values): taken together, so a record never pairs one step with another step's values
