@@ -21,6 +21,9 @@ __all__ = ["IncomingLimits", "IncomingGate", "Reservation", "StreamSlot"]
 
 MIB = 2**20
 MIN_BUDGET_BYTES = 4 * MIB  # room for a few headers and small requests even when a stage's requests are tiny
+# The slowest a request may arrive (after the grace period) before the server drops it; senders of large payloads
+# size their deadlines from it.
+MIN_RATE_BYTES_PER_S = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class IncomingLimits:
     streams_per_peer: int = 32
     streams_total: int = 256
     budget_wait_s: float = 10.0
-    min_rate_bytes_per_s: int = 64 * 1024
+    min_rate_bytes_per_s: int = MIN_RATE_BYTES_PER_S
     grace_s: float = 5.0
     drain_bytes: int = 1 * MIB
     drain_s: float = 2.0

@@ -28,7 +28,7 @@ from agora.net.transport import RpcError
 from agora.server.exactly_once import ExactlyOnce, microbatch_key
 from agora.frames import FRAME_MAP
 from agora.server.runtime import WARMUP_CLOCK, StageRuntime, trim_heap
-from agora.server.upm import FRAME_EPOCHS
+from agora.server.upm import FRAME_EPOCHS, rotation_bytes
 from agora.server.runtime import Pending
 from agora.server.screening import Message
 from agora.wire import bytes_per_token
@@ -225,9 +225,7 @@ class StageHandler:
         """A UPM rotation: ``admit_identity`` (a rotation addresses a boundary, not this stage: ``Rotations``
         checks that), and no more than one float64 n x n matrix."""
         await self.admit_identity(str(caller))
-        m = self.manifest
-        n = m.residual.k if m.residual.mode == "subspace" else m.model.d_model
-        self.check_size(announced_bytes, 8 * n * n + 4096, "rotation")
+        self.check_size(announced_bytes, rotation_bytes(self.manifest) + 4096, "rotation")
 
     async def admit(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:
         """A decoded ``fwd_bwd`` request (its caller was admitted at the header): still addressed to what we serve

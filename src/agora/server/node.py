@@ -49,7 +49,7 @@ from agora.server.observers import Observers
 from agora.server.rebalance import Rebalancer
 from agora.server.runtime import Counters, OutputFilter, RuntimeOptions, StageRuntime
 from agora.server.screening import Screening, ScreeningHooks
-from agora.server.upm import RotationHooks, Rotations
+from agora.server.upm import ROTATION_OVERHEAD_BYTES, RotationHooks, Rotations, rotation_bytes
 from agora.trust.ratelimit import RateLimiter
 
 logger = logging.getLogger("agora.node")
@@ -150,8 +150,10 @@ class StageNode:
                                                               initializer=self._note_compute_thread)
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"stage{stage}-dht")
         self.screening = self._new_screening() if self.opts.sentinel else None
+        # The largest legitimate request: a full fwd_bwd, or a UPM rotation (a dense run's d x d float64 is larger)
+        largest = max(largest_request_bytes(manifest), rotation_bytes(manifest) + ROTATION_OVERHEAD_BYTES)
         self.incoming = IncomingGate(IncomingLimits.for_requests(
-            largest_request_bytes(manifest), psutil.virtual_memory().available, self.opts.incoming_budget_bytes))
+            largest, psutil.virtual_memory().available, self.opts.incoming_budget_bytes))
         self.handler = StageHandler(self)
         self.inference = InferenceSessions(self, self.opts.inference_memory_bytes, self.opts.inference_idle_s)
         self.rebalancer = Rebalancer(self)

@@ -27,6 +27,7 @@ from agora.frames import (current_gains, enable_frames, frame_width, haar_orthog
                           input_gradients, input_weights, reorthogonalize, rotate_input, rotate_output)
 from agora.model import Stage
 from agora.net import transport
+from agora.net.admission import MIN_RATE_BYTES_PER_S
 from agora.net.protocol import FRAME
 from agora.net.records import PeerState, StageRecord, read_stage
 from agora.net.transport import RpcError
@@ -40,7 +41,26 @@ PUSH_EVERY_S = 1.0  # how often a holder of an unacknowledged rotation sends it 
 # once a second on every node for the pushes, they slowed a 2-core swarm by a third. Membership changes slowly; a
 # replica that joins meanwhile gets a rotation at most this much later (or its state download carries it).
 RECORDS_MAX_AGE_S = 5.0
-CALL_TIMEOUT_S = 5.0
+CALL_TIMEOUT_S = 5.0  # plus the rotation's transfer time at the slowest rate a server accepts (push_timeout_s)
+
+
+ROTATION_OVERHEAD_BYTES = 64 * 1024  # a frame request's metadata and framing beyond the matrix itself
+
+
+def rotation_bytes(manifest: Manifest) -> int:
+    """Payload bytes of one rotation: a float64 n x n matrix, n = k (subspace runs) or d_model (dense runs); 0 in
+    a run without UPM. Dense runs carry the most: 128 MiB at d = 4096."""
+    if manifest.security.upm is None:
+        return 0
+    n = manifest.residual.k if manifest.residual.mode == "subspace" else manifest.model.d_model
+    return 8 * n * n
+
+
+def push_timeout_s(nbytes: int) -> float:
+    """How long a sender waits for one ``frame`` call carrying ``nbytes``: long enough for a transfer at the
+    slowest rate a server keeps a stream open for (``MIN_RATE_BYTES_PER_S``), so a large dense rotation over a slow
+    link is not abandoned and sent again from the start every second."""
+    return CALL_TIMEOUT_S + nbytes / MIN_RATE_BYTES_PER_S
 
 
 @dataclass
@@ -219,10 +239,15 @@ class RotationHooks:
     log_event: Callable[..., None]
 
 
+# Refusals a resend cannot cure (a peer that moved away answers wrong_stage or leaving, which count as delivered)
+REFUSALS = frozenset({"payload_too_large", "too_large", "unauthorized", "bad_request", "manifest_mismatch"})
+
+
 @dataclass
 class _Pushes:
     acked: set[str] = field(default_factory=set)
     last_sent: dict[str, float] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)  # peers whose refusal was logged as a warning
 
 
 class Rotations:
@@ -347,10 +372,15 @@ class Rotations:
         async def send(peer: str) -> None:
             state.last_sent[peer] = time.monotonic()
             try:
-                reply, _ = await transport.call(h.p2p(), peer, m.run_id, FRAME, meta, [rot.r], CALL_TIMEOUT_S)
+                reply, _ = await transport.call(h.p2p(), peer, m.run_id, FRAME, meta, [rot.r],
+                                                push_timeout_s(rot.r.numel() * rot.r.element_size()))
             except RpcError as err:
                 if err.code in ("wrong_stage", "leaving"):
                     state.acked.add(peer)  # it moved away: nothing to send it
+                if err.code in REFUSALS and peer not in state.warned:  # sending it again will not help: say so once
+                    state.warned.add(peer)
+                    logger.warning(f"boundary {rot.boundary}: {peer[-8:]} refused frame {rot.epoch}: [{err.code}] "
+                                   f"{err}")
                 logger.debug(f"rotation {rot.epoch} to {peer[-8:]}: {err.code}")
                 return
             except Exception as err:
