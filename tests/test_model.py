@@ -223,6 +223,35 @@ def test_malformed_yaml_is_a_clear_error(tmp_path):
         load_manifest(path)
 
 
+def test_a_binary_file_or_a_folder_as_manifest_is_a_clear_error(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes([0xF9, 0x00, 0xFF, 0x80]) * 64)
+    with pytest.raises(ManifestError, match="not a UTF-8 text file"):
+        load_manifest(path)
+    with pytest.raises(ManifestError, match="is a folder: pass its manifest.yaml"):
+        load_manifest(tmp_path)
+
+
+def test_cli_refuses_ports_gpu_sizes_and_output_folders_that_cannot_exist(tmp_path):
+    from typer.testing import CliRunner
+
+    from agora.cli import app
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    runner = CliRunner()
+    for args, option in ((["node", "--manifest", "tiny", "--port", "70000"], "--port"),
+                         (["bootstrap", "--port", "-1"], "--port"),
+                         (["node", "--manifest", "tiny", "--metrics-port", "65536"], "--metrics-port"),
+                         (["plan", "--manifest", "tiny", "--gpu-gb", "-3"], "--gpu-gb"),
+                         # a result folder that cannot be written is refused before the run, not after it
+                         (["bench", "upm", "--out", str(blocker / "results")], "--out"),
+                         (["train-local", "--manifest", "tiny", "--out", str(blocker)], "--out")):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert f"Invalid value for '{option}'" in result.output, result.output
+
+
 def test_8b_preset_validates_and_reports_size():
     man = load_manifest("agora-8b")
     n = count_parameters(man)["total"]

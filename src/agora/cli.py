@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -14,6 +15,23 @@ from rich.markup import escape
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Protocol Learning: train one model as a swarm.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write JSON + Markdown results.")
 app.add_typer(bench_app, name="bench")
+
+
+def writable_dir(value: Optional[Path]) -> Optional[Path]:
+    """An ``--out`` folder, created now and checked writable: a long run must not find out at its end that it
+    cannot save what it measured."""
+    if value is None:
+        return value
+    if value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"{value} is a file; --out names a folder")
+    try:
+        value.mkdir(parents=True, exist_ok=True)
+        probe = value / f".agora-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise typer.BadParameter(f"cannot write to {value}: {err.strerror or err}") from None
+    return value
 console = Console(stderr=True)
 
 
@@ -135,7 +153,7 @@ def _parse_shard(shard: str) -> tuple[int, int]:
 def train_local_cmd(
     manifest: str = typer.Option("tiny", help="preset or YAML file"),
     steps: int = typer.Option(50, min=1),
-    out: Path = typer.Option(Path("runs/local")),
+    out: Path = typer.Option(Path("runs/local"), callback=writable_dir),
     eval_every: int = typer.Option(0, help="validate every N steps (0: only at the end)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     shard: Optional[str] = typer.Option(None, help="train on data shard INDEX/COUNT in the order `agora train "
@@ -170,7 +188,7 @@ def train_local_cmd(
 
 @bench_app.command("compression")
 def bench_compression(
-    out: Path = typer.Option(Path("bench-out/compression")),
+    out: Path = typer.Option(Path("bench-out/compression"), callback=writable_dir),
     tokens: int = typer.Option(400_000, help="token budget of each training run (dense and subspace)"),
     preset: str = typer.Option("small"),
 ) -> None:
@@ -183,7 +201,7 @@ def bench_compression(
 
 @bench_app.command("chaos")
 def bench_chaos(
-    out: Path = typer.Option(Path("bench-out/chaos")),
+    out: Path = typer.Option(Path("bench-out/chaos"), callback=writable_dir),
     minutes: float = typer.Option(5.0, help="training time of the clean run; the chaos run trains to its token count"),
     preset: str = typer.Option("small"),
     stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=2),
@@ -209,7 +227,7 @@ def bench_chaos(
 
 @bench_app.command("hostile")
 def bench_hostile(
-    out: Path = typer.Option(Path("bench-out/hostile")),
+    out: Path = typer.Option(Path("bench-out/hostile"), callback=writable_dir),
     preset: str = typer.Option("tiny"),
     rounds: int = typer.Option(30, min=1, help="rounds (one target batch each) per phase"),
     repeats: int = typer.Option(3, min=1),
@@ -223,7 +241,7 @@ def bench_hostile(
 
 @bench_app.command("rpc")
 def bench_rpc(
-    out: Path = typer.Option(Path("bench-out/rpc")),
+    out: Path = typer.Option(Path("bench-out/rpc"), callback=writable_dir),
     repeats: int = typer.Option(20, help="round trips per payload"),
     microbatches: int = typer.Option(10, help="microbatches for the overhead measurement"),
 ) -> None:
@@ -235,7 +253,7 @@ def bench_rpc(
 
 @bench_app.command("efficiency")
 def bench_efficiency(
-    out: Path = typer.Option(Path("bench-out/efficiency")),
+    out: Path = typer.Option(Path("bench-out/efficiency"), callback=writable_dir),
     preset: str = typer.Option("small"),
     steps: int = typer.Option(20, help="centralized optimizer steps; the swarm trains exactly as many tokens"),
     stages: int = typer.Option(3), replicas: int = typer.Option(2),
@@ -256,7 +274,7 @@ def bench_efficiency(
 
 @bench_app.command("links")
 def bench_links(
-    out: Path = typer.Option(Path("bench-out/links")),
+    out: Path = typer.Option(Path("bench-out/links"), callback=writable_dir),
     preset: str = typer.Option("small"),
     stages: int = typer.Option(3), replicas: int = typer.Option(2),
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
@@ -291,7 +309,7 @@ def bench_links(
 
 @bench_app.command("reachability")
 def bench_reachability(
-    out: Path = typer.Option(Path("bench-out/reachability")),
+    out: Path = typer.Option(Path("bench-out/reachability"), callback=writable_dir),
     preset: str = typer.Option("small"),
     stages: int = typer.Option(3), replicas: int = typer.Option(2),
     in_flight: int = typer.Option(4, help="microbatches the trainer keeps in flight"),
@@ -323,7 +341,7 @@ def bench_reachability(
 
 @bench_app.command("convergence")
 def bench_convergence(
-    out: Path = typer.Option(Path("bench-out/convergence")),
+    out: Path = typer.Option(Path("bench-out/convergence"), callback=writable_dir),
     preset: str = typer.Option("small"),
     steps: int = typer.Option(100, min=1, help="optimizer steps' worth of tokens per arm (100 of small: ~410k)"),
     stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=2),
@@ -361,7 +379,7 @@ def bench_convergence(
 
 @bench_app.command("gossip")
 def bench_gossip(
-    out: Path = typer.Option(Path("bench-out/gossip")),
+    out: Path = typer.Option(Path("bench-out/gossip"), callback=writable_dir),
     replicas: int = typer.Option(8, min=2), dim: int = typer.Option(500, min=2),
     inner_steps: int = typer.Option(20, min=1), rounds: int = typer.Option(50, min=1),
     inner_lr: float = typer.Option(0.01, min=0.0, help="the replicas' AdamW learning rate (their drift per phase)"),
@@ -392,7 +410,7 @@ def bench_gossip(
 
 @bench_app.command("averaging")
 def bench_averaging(
-    out: Path = typer.Option(Path("bench-out/averaging")),
+    out: Path = typer.Option(Path("bench-out/averaging"), callback=writable_dir),
     preset: str = typer.Option("small", help="tiny, small, medium or a manifest path"),
     stages: int = typer.Option(3, min=1), replicas: int = typer.Option(4, min=1),
     steps: int = typer.Option(12, min=1, help="optimizer steps' worth of tokens per arm (equal for every arm)"),
@@ -425,7 +443,7 @@ def bench_averaging(
 
 @bench_app.command("training")
 def bench_training(
-    out: Path = typer.Option(Path("bench-out/training")),
+    out: Path = typer.Option(Path("bench-out/training"), callback=writable_dir),
     preset: str = typer.Option("small", help="tiny, small, medium or a manifest path"),
     steps: int = typer.Option(40, min=2, help="optimizer steps per run (equal tokens for every row)"),
     seeds: str = typer.Option("0,1", help="comma-separated seeds"),
@@ -467,7 +485,7 @@ def bench_training(
 
 @bench_app.command("upm")
 def bench_upm(
-    out: Path = typer.Option(Path("bench-out/upm")),
+    out: Path = typer.Option(Path("bench-out/upm"), callback=writable_dir),
     transforms: int = typer.Option(10_000, min=1, help="compounded boundary rotations on small"),
     train_steps: int = typer.Option(30, min=0, help="train small this long first (0: its initial weights)"),
     model: Optional[Path] = typer.Option(None, help="also a real pretrained model (Hugging Face folder, GGUF file or "
@@ -517,7 +535,7 @@ def bench_upm(
 @bench_app.command("gpu")
 def bench_gpu(
     manifest: str = typer.Option("agora-8b", help="whose stages to measure (preset or YAML)"),
-    out: Path = typer.Option(Path("bench-out/gpu")),
+    out: Path = typer.Option(Path("bench-out/gpu"), callback=writable_dir),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N"),
     precision: str = typer.Option("bf16", help="fp32 or bf16"),
     microbatch: int = typer.Option(1, min=1, help="sequences per microbatch"),
@@ -536,7 +554,7 @@ def bench_gpu(
 
 @bench_app.command("sentinel")
 def bench_sentinel(
-    out: Path = typer.Option(Path("bench-out/sentinel")),
+    out: Path = typer.Option(Path("bench-out/sentinel"), callback=writable_dir),
     size: str = typer.Option("small", help="the traffic: 'small' (the benchmark, a few minutes) or 'tiny' (quick)"),
     loss_steps: int = typer.Option(60, help="train tiny this long with one attacker per kind, with SENTINEL (with "
                                             "audits, on statistics alone) and without, against a clean run (0: off)"),
@@ -554,7 +572,7 @@ def bench_sentinel(
 # ---------------------------------------------------------------------------------------------- swarm roles
 PeersOpt = typer.Option([], "--initial-peers", help="multiaddr(s) of any running peer, e.g. from `agora bootstrap`")
 HostOpt = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for a public node)")
-PortOpt = typer.Option(0, help="TCP port to listen on (0: any free port)")
+PortOpt = typer.Option(0, min=0, max=65535, help="TCP port to listen on (0: any free port)")
 AnnounceOpt = typer.Option(None, help="public address to announce (needs a fixed --port)")
 IdentityOpt = typer.Option(None, help="file with a persistent peer identity (created if missing)")
 CertOpt = typer.Option(None, "--certificate", help="the run authority's certificate for --identity (allow-listed runs)")
@@ -613,7 +631,7 @@ def node(
     resume: Optional[str] = typer.Option(None, help="checkpoint folder to restore this stage from"),
     checkpoint_dir: Optional[str] = typer.Option(None, help="save stage checkpoints here"),
     checkpoint_every: int = typer.Option(0, help="save every N optimizer steps (and always on leave)"),
-    metrics_port: Optional[int] = typer.Option(None, help="serve Prometheus /metrics on this port"),
+    metrics_port: Optional[int] = typer.Option(None, min=0, max=65535, help="serve Prometheus /metrics on this port"),
     rebalance_every: float = typer.Option(15.0, help="seconds between checks whether to move to a weaker stage (0: never)"),
     averaging_timeout: float = typer.Option(20.0, min=1.0, help="seconds a replica round may take to form, and "
                                                                  "then to all-reduce (raise it for large stages or "
@@ -776,7 +794,7 @@ def demo(
     stages: Optional[int] = typer.Option(None, min=1, help="pipeline stages (default 3; with --from: the import's)"),
     replicas: int = typer.Option(2, min=1),
     trainers: int = typer.Option(1, min=1), steps: int = typer.Option(30, min=1),
-    out: Path = typer.Option(Path("runs/demo")),
+    out: Path = typer.Option(Path("runs/demo"), callback=writable_dir),
     in_flight: int = typer.Option(2, help="microbatches each trainer keeps in flight"),
     chaos: Optional[float] = typer.Option(None, help="every SECONDS, SIGKILL a random stage peer and start a replacement"),
     chaos_last: bool = typer.Option(False, help="let chaos kill the last peer of a stage too"),
@@ -786,7 +804,7 @@ def demo(
                                                  "the bootstrap peer dies (once); mixed: these in turn"),
     chaos_stop_s: float = typer.Option(40.0, help="how long a 'stop' fault freezes its victim"),
     dashboard: bool = typer.Option(False, help="also serve the live dashboard"),
-    dashboard_port: int = typer.Option(8080),
+    dashboard_port: int = typer.Option(8080, min=0, max=65535),
     timeout: float = typer.Option(1800.0, help="give up after this many seconds"),
     threads: int = typer.Option(1, help="torch threads per process"),
     no_live: bool = typer.Option(False, "--no-live", help="no live table (for logs and CI)"),
@@ -815,7 +833,7 @@ def demo(
 ) -> None:
     """A whole swarm on this machine: bootstrap, stages x replicas nodes and trainers as separate processes."""
     from agora.lab.demo import (CHAOS_FAULTS, ChaosOptions, DemoOptions, LinkOptions, NodeExtras, StopRule,
-                                SwarmShape, plan_links, run_demo)
+                                SwarmShape, demo_manifest, plan_links, run_demo)
 
     if from_dir is not None:
         from agora.ops.model_io import MANIFEST_FILE
@@ -833,15 +851,18 @@ def demo(
     if chaos_fault not in CHAOS_FAULTS:
         console.print(f"[red]error:[/red] --chaos-fault must be one of {', '.join(CHAOS_FAULTS)}, got {chaos_fault!r}")
         raise typer.Exit(2)
-    try:  # refuse a bad link setup with one line, before anything starts
+    shape = SwarmShape(preset=preset, stages=stages, replicas=replicas, trainers=trainers, in_flight=in_flight,
+                       threads=threads, residual=residual, averaging=averaging, upm_every_s=upm_every_s)
+    try:  # refuse a bad link setup or manifest (a split the model cannot have) with one line, before anything starts
         plan_links(link_mbps, link_latency_ms, link_backend)
-    except (ValueError, RuntimeError) as err:
+        demo_manifest(shape.preset, shape.stages, shape.residual, shape.averaging, shape.seed, shape.overlap_rounds,
+                      shape.upm_every_s, shape.overrides)
+    except (ValueError, RuntimeError) as err:  # ManifestError is a ValueError
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     summary = run_demo(DemoOptions(
         out=out,
-        shape=SwarmShape(preset=preset, stages=stages, replicas=replicas, trainers=trainers, in_flight=in_flight,
-                         threads=threads, residual=residual, averaging=averaging, upm_every_s=upm_every_s),
+        shape=shape,
         # Compared with train-local: exactly ``steps`` target batches, so both arms train the same tokens.
         stop=StopRule(steps=steps, timeout=timeout, exact_tokens=compare_local),
         chaos=ChaosOptions(every_s=chaos, kill_last=chaos_last, fault=chaos_fault, stop_s=chaos_stop_s),
@@ -902,7 +923,7 @@ def _model_errors(fn):
 def import_cmd(
     source: Path = typer.Option(..., "--from", help="a Hugging Face model folder (config.json + safetensors) or a "
                                                    "GGUF file (llama.cpp)"),
-    out: Path = typer.Option(..., help="folder to write the manifest, tokenizer and stage checkpoints to"),
+    out: Path = typer.Option(..., callback=writable_dir, help="folder to write the manifest, tokenizer and stage checkpoints to"),
     stages: str = typer.Option("1", help="layers per stage, head first (10,10,10), or a stage count (3)"),
     run_id: Optional[str] = typer.Option(None, help="the run's id (default: from the checkpoint's name)"),
     seq_len: Optional[int] = typer.Option(None, help="training context (default: the checkpoint's, at most 2048)"),
@@ -931,7 +952,7 @@ def export_cmd(
                                                                "(nodes' --checkpoint-dir, or an import folder)"),
     initial_peers: List[str] = typer.Option([], help="instead of --from: download each stage from a live swarm"),
     manifest: Optional[str] = typer.Option(None, help="the run's manifest (default: FROM/manifest.yaml)"),
-    out: Path = typer.Option(..., help="folder to write the model to"),
+    out: Path = typer.Option(..., callback=writable_dir, help="folder to write the model to"),
     timeout: float = typer.Option(120.0, help="with --initial-peers: seconds per state download"),
     identity: Optional[str] = typer.Option(None, help="with --initial-peers: your key file (`agora keygen`); its "
                                                       "peer id must be in the manifest's security.state_access.readers"),
@@ -1042,7 +1063,7 @@ def dashboard(
     manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
     initial_peers: List[str] = PeersOpt,
     host: str = typer.Option("127.0.0.1", help="address to serve the page on (0.0.0.0 to share it)"),
-    port: int = typer.Option(8080, help="HTTP port of the page (0: any free port, printed on start)"),
+    port: int = typer.Option(8080, min=0, max=65535, help="HTTP port of the page (0: any free port, printed on start)"),
     interval: float = typer.Option(1.5, min=0.2, help="seconds between DHT polls"),
     summary: Optional[str] = typer.Option(None, help="write the dashboard's history and events here on exit"),
     dht_host: str = typer.Option("127.0.0.1", help="address of the DHT client (the namespace's with --dht-netns)"),
@@ -1064,7 +1085,7 @@ def dashboard(
 def plan(
     manifest: str = typer.Option(..., help="the run's manifest (preset or YAML file)"),
     stage: Optional[int] = typer.Option(None, help="plan this stage only (default: every stage)"),
-    gpu_gb: float = typer.Option(24.0, "--gpu-gb", help="GPU memory in GiB (a '24 GB' card holds 24 GiB)"),
+    gpu_gb: float = typer.Option(24.0, "--gpu-gb", min=0.001, help="GPU memory in GiB (a '24 GB' card holds 24 GiB)"),
     microbatch: Optional[int] = typer.Option(None, min=1, help="sequences per microbatch (default: the manifest's)"),
     in_flight: int = typer.Option(2, min=1, help="microbatches between their forward and backward on a stage"),
     precision: Optional[str] = typer.Option(None, help="only consider fp32 or bf16 (default: both, bf16 first)"),

@@ -488,8 +488,14 @@ def load_manifest(path_or_preset: str | Path) -> Manifest:
         path = Path(name)
         if not path.exists():
             raise ManifestError(f"manifest {name!r} not found: pass a YAML file or one of the presets {PRESETS}")
+        if path.is_dir():
+            raise ManifestError(f"manifest {name!r} is a folder: pass its manifest.yaml")
         raw = path.read_bytes()  # parsed and signature-checked from the same bytes
-        text = raw.decode()
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError as err:
+            raise ManifestError(f"invalid manifest {name}: not a UTF-8 text file ({err.reason} at byte "
+                                f"{err.start})") from None
         source = str(path)
     try:
         data = yaml.safe_load(text)
