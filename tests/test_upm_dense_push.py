@@ -43,3 +43,59 @@ def test_a_dense_rotation_larger_than_the_request_budget_reaches_the_next_stage(
     head, tail, incoming = asyncio.run(main())
     assert head["drawn"] >= 1 and tail["refused"] == 0
     assert [d[:2] for d in tail["due"]] == [[0, 1]], tail
+
+
+def test_a_stuck_transfer_never_holds_the_push_loop_and_a_newer_frame_cancels_it(monkeypatch):
+    """``Rotations._push`` starts one task per peer and returns: a peer that never answers (frozen, or a slow link
+    carrying a large dense rotation) neither delays the others nor gets a second copy in parallel; the next frame of
+    the boundary cancels the old transfer."""
+    import torch
+
+    from agora.net.records import PeerState, StageRecord
+    from agora.server import upm
+
+    man = _dense(64)
+    records = {s: [StageRecord(p, s, PeerState.SERVING.value, man.hash) for p in peers]
+               for s, peers in ((0, ["me", "slow"]), (1, ["fast"]))}
+    calls: list[tuple[str, int]] = []
+    cancelled: list[int] = []
+
+    async def fake_call(p2p, peer, run_id, method, meta, tensors, timeout):
+        calls.append((peer, meta["epoch"]))
+        assert timeout >= upm.push_timeout_s(8 * 64 * 64)
+        if peer == "slow":
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(meta["epoch"])
+                raise
+        return {"verdict": "accepted"}, []
+
+    monkeypatch.setattr(upm.transport, "call", fake_call)
+
+    async def run_io(fn, *args):
+        return records[args[2]]  # read_stage(dht, run_id, stage, hash)
+
+    hooks = upm.RotationHooks(peer_id="me", p2p=lambda: None, dht=None, run_io=run_io, run_compute=None,
+                              ledger=lambda: None, stage=lambda: 0, step=lambda: 0, is_serving=lambda: True,
+                              is_stopping=lambda: False, log_event=lambda *a, **k: None)
+    rotations = upm.Rotations(man, hooks)
+    r = torch.eye(64, dtype=torch.float64)
+
+    async def main():
+        first = upm.Rotation(0, 1, 5, r, "me")
+        await asyncio.wait_for(rotations._push(first), 1.0)  # returns at once although "slow" never answers
+        await asyncio.sleep(0.1)
+        pushes = rotations._pushes[(0, 1)]
+        assert pushes.acked == {"fast"} and set(pushes.sending) == {"slow"}
+        # a later tick: no second transfer to a peer with one in progress, none to an acked one
+        await rotations._push(first)
+        await asyncio.sleep(0.1)
+        assert sorted(calls) == [("fast", 1), ("slow", 1)], calls
+        await rotations._push(upm.Rotation(0, 2, 9, r, "me"))  # the next frame: the old transfer is moot
+        await asyncio.sleep(0.1)
+        assert cancelled == [1] and (0, 1) not in rotations._pushes
+        assert sorted(calls) == [("fast", 1), ("fast", 2), ("slow", 1), ("slow", 2)], calls
+        rotations._pushes[(0, 2)].cancel()
+
+    asyncio.run(main())

@@ -1,8 +1,9 @@
 """UPM through the raw CLI: the replica that draws a boundary's rotations is SIGKILLed (its whole process group, no
-leave announcement) while a rotation it drew is on its way, i.e. accepted but not yet applied. The rotation
-outlives its drawer (every holder pushes it on), the survivors apply it at its step, the surviving replica of the
-drawing stage takes over the drawing once the dead peer's record expires, and both stages stay in one frame while
-the trainer keeps training."""
+leave announcement) while a rotation it drew is accepted but not yet applied anywhere. The survivors apply it at its
+step (none late), the surviving replica of the drawing stage takes over the drawing once the dead peer's record
+expires, and both stages stay in one frame while the trainer keeps training. (The drawer delivers a rotation right
+after drawing it, so this does not exercise the relay by other holders; ``tests/test_upm_swarm.py`` covers a drawer
+that leaves.)"""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from agora.config import load_manifest
 
 pytestmark = pytest.mark.slow
 
-LEAD_STEPS = 4  # a drawn rotation waits this many optimizer steps: the window in which the drawer is killed
+LEAD_STEPS = 10  # a drawn rotation waits this many optimizer steps: the window in which the drawer is killed
+MARGIN_STEPS = 6  # killed at least this many steps before the rotation applies
 
 
 def _agora(*args: str, log: Path) -> subprocess.Popen:
@@ -70,12 +72,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _cleanup(procs: list[subprocess.Popen]) -> None:
-    """Everything this test started, by PID: each process and whatever it spawned."""
+    """Everything this test started, by PID: each process's group (every one has its own session, and its DHT
+    process and p2pd stay in it even when the main process died first) and whatever it spawned."""
     for proc in procs:
         try:
             tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         except psutil.Error:
             tree = []
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         for p in tree:
             try:
                 p.kill()
@@ -110,24 +117,32 @@ def test_the_drawer_sigkilled_mid_rotation_leaves_both_stages_in_one_frame(tmp_p
                                   "--max-tokens", str(10**8), "--summary", str(tmp_path / "trainer.json"),
                                   log=tmp_path / "trainer.log")
 
-        # The drawer of boundary 0 (the lowest serving peer id of stage 0) with a rotation accepted and not yet
-        # applied, after at least one rotation went through (so the kill is not at the start).
+        # The drawer of boundary 0 with a rotation it drew accepted and due at least MARGIN_STEPS ahead, after at
+        # least one rotation went through (so the kill is not at the start).
         def drawer_mid_rotation():
             for n in ("s0a", "s0b"):
                 s = summary[n]()
-                if s and s["upm"]["drawn"] >= 1 and s["upm"]["epoch_out"] >= 1:
-                    due = [d for d in s["upm"]["due"] if d[0] == 0 and d[2] > s["step"]]
+                if s and s["upm"]["epoch_out"] >= 1:
+                    due = [d for d in s["upm"]["due"]
+                           if d[0] == 0 and d[3] == s["peer_id"] and d[2] - s["step"] >= MARGIN_STEPS]
                     if due:
                         return n, s, due[0]
             return None
 
-        victim, at_kill, (_, epoch, apply_step) = _wait(drawer_mid_rotation, 240, "the drawer mid-rotation",
-                                                       procs, tmp_path)
-        _kill_group(procs.pop(victim))
+        victim, at_kill, (_, epoch, apply_step, _) = _wait(drawer_mid_rotation, 240, "the drawer mid-rotation",
+                                                          procs, tmp_path)
+        _kill_group(procs[victim])
+        t_kill = time.time()
+        procs.pop(victim)
         survivor = "s0b" if victim == "s0a" else "s0a"
         survivors = [survivor, "s1a", "s1b"]
-        drawn_before = summary[survivor]()["upm"]["drawn"]
-        steps_at_kill = {n: summary[n]()["step"] for n in survivors}
+        # The first summaries written after the kill: nobody had applied the rotation yet (it was mid-rotation).
+        first = _wait(lambda: (lambda s: s if all(v and v["time"] > t_kill for v in s.values()) else None)(
+            {n: summary[n]() for n in survivors}), 30, "the survivors' summaries after the kill", procs, tmp_path)
+        drawn_before = first[survivor]["upm"]["drawn"]
+        steps_at_kill = {n: first[n]["step"] for n in survivors}
+        assert first[survivor]["upm"]["epoch_out"] < epoch, first[survivor]["upm"]
+        assert all(first[n]["upm"]["epoch_in"] < epoch for n in ("s1a", "s1b")), first
 
         # The dead drawer's rotation is applied by every survivor at its step, and the survivor of stage 0 draws the
         # next ones (after the dead peer's record expires) which reach stage 1 too.

@@ -358,6 +358,8 @@ def bench_convergence(
     upm_every_s: float = typer.Option(30.0, min=1.0, help="the upm row's seconds between rotations of a boundary"),
     rebalance: bool = typer.Option(True, help="nodes move to the bottleneck stage (agora node's default); "
                                               "--no-rebalance keeps every row's shape fixed, for comparing speeds"),
+    averaging_timeout: Optional[float] = typer.Option(None, min=1.0, help="every node's --averaging-timeout "
+                                                                          "(default: agora node's)"),
 ) -> None:
     """Validation loss at equal tokens: centralized against the swarm, each source of difference alone (rounds
     overlapping compute, microbatches in flight, replicas, averaging scheme, link caps) and all together; ratio and
@@ -369,7 +371,8 @@ def bench_convergence(
         row_list = _listed(rows) if rows else None
         opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches,
-                                  diloco_every=diloco_every, upm_every_s=upm_every_s, rebalance=rebalance)
+                                  diloco_every=diloco_every, upm_every_s=upm_every_s, rebalance=rebalance,
+                                  averaging_timeout_s=averaging_timeout)
         opts.row_shapes()  # fail on a bad row name before anything runs
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")

@@ -70,6 +70,14 @@ class ConvergenceOptions:
     # Nodes move to the bottleneck stage as ``agora node`` does by default. A move mid-run changes a row's shape
     # (and its speed) at a moment that depends on timing: off for comparing rows' speeds.
     rebalance: bool = True
+    # ``agora node --averaging-timeout`` of every node (None: the node's default): how long one all-reduce may take
+    averaging_timeout_s: Optional[float] = None
+
+    def node_args(self) -> Optional[list[str]]:
+        args = [] if self.rebalance else ["--rebalance-every", "0"]
+        if self.averaging_timeout_s is not None:
+            args += ["--averaging-timeout", f"{self.averaging_timeout_s:g}"]
+        return args or None
 
     def row_shapes(self) -> dict[str, dict]:
         """Each row's swarm: replicas, microbatches in flight, averaging spec (None: the preset's), link cap."""
@@ -178,7 +186,7 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
                          overrides=shape.get("overrides")),
         stop=StopRule(steps=opts.steps, tokens=central["tokens"], exact_tokens=True, timeout=SWARM_TIMEOUT_S),
         link=LinkOptions(mbps=shape["mbps"]) if shape["mbps"] else LinkOptions(),
-        nodes=NodeExtras(args=None if opts.rebalance else ["--rebalance-every", "0"]),
+        nodes=NodeExtras(args=opts.node_args()),
         live=False, sample_tokens=0))
     if not s["finished"]:
         raise RuntimeError(f"seed {seed}, row {name}: the swarm did not train {central['tokens']} tokens within "

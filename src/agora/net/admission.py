@@ -70,7 +70,7 @@ class IncomingLimits:
         budget = budget_bytes if budget_bytes is not None else max(2 * int(largest_request_bytes), MIN_BUDGET_BYTES)
         if available_bytes is not None and budget > available_bytes // 4:
             raise ValueError(
-                f"an incoming-request budget of {budget / MIB:.0f} MiB (two of this stage's largest requests) is more "
+                f"an incoming-request budget of {budget / MIB:.0f} MiB (two of this run's largest requests or UPM rotations) is more "
                 f"than a quarter of the {available_bytes / MIB:.0f} MiB this host has free; free memory or set a "
                 f"smaller budget (agora node --incoming-budget-mib)")
         return cls(budget_bytes=int(budget))

@@ -27,7 +27,7 @@ from agora.frames import (current_gains, enable_frames, frame_width, haar_orthog
                           input_gradients, input_weights, reorthogonalize, rotate_input, rotate_output)
 from agora.model import Stage
 from agora.net import transport
-from agora.net.admission import MIN_RATE_BYTES_PER_S
+from agora.net.admission import MIN_RATE_BYTES_PER_S, IncomingLimits
 from agora.net.protocol import FRAME
 from agora.net.records import PeerState, StageRecord, read_stage
 from agora.net.transport import RpcError
@@ -44,6 +44,8 @@ RECORDS_MAX_AGE_S = 5.0
 CALL_TIMEOUT_S = 5.0  # plus the rotation's transfer time at the slowest rate a server accepts (push_timeout_s)
 
 
+SERVER_GRACE_S = IncomingLimits.grace_s  # what a receiving node allows before it enforces the minimum rate
+SERVER_BUDGET_WAIT_S = IncomingLimits.budget_wait_s  # and how long a request may wait for room in its budget
 ROTATION_OVERHEAD_BYTES = 64 * 1024  # a frame request's metadata and framing beyond the matrix itself
 
 
@@ -57,10 +59,16 @@ def rotation_bytes(manifest: Manifest) -> int:
 
 
 def push_timeout_s(nbytes: int) -> float:
-    """How long a sender waits for one ``frame`` call carrying ``nbytes``: long enough for a transfer at the
-    slowest rate a server keeps a stream open for (``MIN_RATE_BYTES_PER_S``), so a large dense rotation over a slow
-    link is not abandoned and sent again from the start every second."""
-    return CALL_TIMEOUT_S + nbytes / MIN_RATE_BYTES_PER_S
+    """How long a sender waits for one ``frame`` call carrying ``nbytes``: the server's own allowance (its grace
+    period, a wait for budget, then ``MIN_RATE_BYTES_PER_S``) with the rate halved for slack, so a large dense
+    rotation over a slow link is not abandoned near its end and sent again from the start."""
+    return CALL_TIMEOUT_S + SERVER_GRACE_S + SERVER_BUDGET_WAIT_S + 2 * nbytes / MIN_RATE_BYTES_PER_S
+
+
+def _orthogonal(r: Tensor, tol: float = 1e-6) -> bool:
+    """Finite and orthogonal to ``tol`` (max |R^T R - I|)."""
+    eye = torch.eye(r.shape[0], dtype=torch.float64)
+    return bool(torch.isfinite(r).all()) and float((r.T @ r - eye).abs().max()) <= tol
 
 
 @dataclass
@@ -219,7 +227,7 @@ class FrameLedger:
 
     def summary(self) -> dict:
         return {"epoch_in": self.epoch_in, "epoch_out": self.epoch_out, "applied": self.applied, "late": self.late,
-                "due": [[r.boundary, r.epoch, r.apply_step] for r in self.pending()]}
+                "due": [[r.boundary, r.epoch, r.apply_step, r.drawer] for r in self.pending()]}
 
 
 @dataclass
@@ -239,15 +247,21 @@ class RotationHooks:
     log_event: Callable[..., None]
 
 
-# Refusals a resend cannot cure (a peer that moved away answers wrong_stage or leaving, which count as delivered)
-REFUSALS = frozenset({"payload_too_large", "too_large", "unauthorized", "bad_request", "manifest_mismatch"})
+# Refusals a resend cannot cure, logged as a warning once per peer and code (a peer that moved away answers
+# wrong_stage or leaving, which count as delivered; unauthorized can be a receiver's stale view, retried quietly)
+REFUSALS = frozenset({"payload_too_large", "too_large", "bad_request", "manifest_mismatch"})
 
 
 @dataclass
 class _Pushes:
     acked: set[str] = field(default_factory=set)
     last_sent: dict[str, float] = field(default_factory=dict)
-    warned: set[str] = field(default_factory=set)  # peers whose refusal was logged as a warning
+    sending: dict[str, asyncio.Task] = field(default_factory=dict)  # transfers in progress, by peer
+
+    def cancel(self) -> None:
+        for task in self.sending.values():
+            task.cancel()
+        self.sending.clear()
 
 
 class Rotations:
@@ -264,6 +278,7 @@ class Rotations:
         self._pushes: dict[tuple[int, int], _Pushes] = {}
         self._last_drawn: dict[int, float] = {}  # boundary -> monotonic time we drew (or saw) its last rotation
         self._records: dict[int, tuple[float, list[StageRecord]]] = {}
+        self._warned: set[tuple[str, str]] = set()  # (peer, error code) refusals already logged as warnings
 
     # ------------------------------------------------------------------ the RPC
     async def offer(self, meta: dict, tensors: list[Tensor], caller) -> tuple[dict, list]:
@@ -285,8 +300,8 @@ class Rotations:
             raise RpcError("bad_request", "a rotation carries one float64 matrix")
         r = tensors[0]
         n = ledger.width
-        if tuple(r.shape) != (n, n) or not bool(torch.isfinite(r).all()) or \
-                float((r.T @ r - torch.eye(n, dtype=torch.float64)).abs().max()) > 1e-6:
+        # (an n^3 product: seconds for a dense d x d, so off the event loop)
+        if tuple(r.shape) != (n, n) or not await h.run_io(_orthogonal, r):
             self.refused += 1
             raise RpcError("bad_request", f"a rotation here is an orthogonal {n} x {n} float64 matrix")
         sender = str(caller)
@@ -308,14 +323,18 @@ class Rotations:
 
     # ------------------------------------------------------------------ drawing and pushing
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # a DHT hiccup or a peer gone: the next tick tries again
-                logger.warning(f"rotation tick failed: {err!r}")
+        try:
+            while True:
+                await asyncio.sleep(0.5)
+                try:
+                    await self.tick()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # a DHT hiccup or a peer gone: the next tick tries again
+                    logger.warning(f"rotation tick failed: {err!r}")
+        finally:
+            for pushes in self._pushes.values():
+                pushes.cancel()
 
     async def tick(self) -> None:
         h = self.hooks
@@ -354,43 +373,48 @@ class Rotations:
         await self._push(rot)
 
     async def _push(self, rot: Rotation) -> None:
-        """Send ``rot`` to every replica of stages b and b+1 that has not acknowledged it (at most every
-        ``PUSH_EVERY_S`` per peer)."""
+        """Start sending ``rot`` to every replica of stages b and b+1 that has not acknowledged it and is not being
+        sent it now (at most every ``PUSH_EVERY_S`` per peer). Each transfer runs as a task of its own: a large
+        dense rotation to a slow or frozen peer never holds the protocol's tick (other boundaries, other peers)."""
         h, m = self.hooks, self.manifest
         state = self._pushes.setdefault((rot.boundary, rot.epoch), _Pushes())
         for key in [k for k in self._pushes if k[0] == rot.boundary and k[1] < rot.epoch]:
-            del self._pushes[key]
+            self._pushes.pop(key).cancel()  # an older frame of this boundary: its transfers are moot
         now = time.monotonic()
         targets = [r.peer_id for s in (rot.boundary, rot.boundary + 1) for r in await self._replicas(s)
                    if r.peer_id != h.peer_id and r.state in (PeerState.SERVING.value, PeerState.SYNCING.value)]
-        targets = [p for p in targets if p not in state.acked and now - state.last_sent.get(p, 0.0) >= PUSH_EVERY_S]
-        if not targets:
-            return
+        targets = [p for p in targets if p not in state.acked and p not in state.sending
+                   and now - state.last_sent.get(p, 0.0) >= PUSH_EVERY_S]
         meta = {"run_id": m.run_id, "manifest_hash": m.hash, "boundary": rot.boundary, "epoch": rot.epoch,
                 "apply_step": rot.apply_step, "drawer": rot.drawer}
+        timeout = push_timeout_s(rot.r.numel() * rot.r.element_size())
 
         async def send(peer: str) -> None:
-            state.last_sent[peer] = time.monotonic()
             try:
-                reply, _ = await transport.call(h.p2p(), peer, m.run_id, FRAME, meta, [rot.r],
-                                                push_timeout_s(rot.r.numel() * rot.r.element_size()))
+                reply, _ = await transport.call(h.p2p(), peer, m.run_id, FRAME, meta, [rot.r], timeout)
             except RpcError as err:
                 if err.code in ("wrong_stage", "leaving"):
                     state.acked.add(peer)  # it moved away: nothing to send it
-                if err.code in REFUSALS and peer not in state.warned:  # sending it again will not help: say so once
-                    state.warned.add(peer)
+                if err.code in REFUSALS and (peer, err.code) not in self._warned:  # a resend will not help: say so
+                    self._warned.add((peer, err.code))
                     logger.warning(f"boundary {rot.boundary}: {peer[-8:]} refused frame {rot.epoch}: [{err.code}] "
                                    f"{err}")
                 logger.debug(f"rotation {rot.epoch} to {peer[-8:]}: {err.code}")
                 return
+            except asyncio.CancelledError:
+                raise
             except Exception as err:
                 logger.debug(f"rotation {rot.epoch} to {peer[-8:]}: {err!r}")
                 return
+            finally:
+                state.sending.pop(peer, None)
+                state.last_sent[peer] = time.monotonic()  # the next try waits PUSH_EVERY_S after this one ended
             self.sent += 1
             if isinstance(reply, dict) and reply.get("verdict") in ("accepted", "applied"):
                 state.acked.add(peer)
 
-        await asyncio.gather(*(send(p) for p in targets))
+        for peer in targets:
+            state.sending[peer] = asyncio.create_task(send(peer), name=f"upm-push-{rot.boundary}-{rot.epoch}")
 
     async def _replicas(self, stage: int, max_age: float = RECORDS_MAX_AGE_S) -> list[StageRecord]:
         """The stage's records, read again when older than ``max_age`` seconds."""

@@ -239,20 +239,20 @@ class ReplicaSync:
             return False
         return since is not None
 
-    async def probe(self, peers: list[StageRecord]) -> list[bool]:
-        """Whether each of ``peers`` answers a small call within ``PROBE_TIMEOUT_S``; those that do not are left out
-        of :meth:`replicas` for ``UNRESPONSIVE_S`` (frozen, or cut off: their records still look alive)."""
+    async def probe(self, peers: list[StageRecord], timeout: float = PROBE_TIMEOUT_S) -> list[bool]:
+        """Whether each of ``peers`` answers a small call within ``timeout``; those that do not are left out of
+        :meth:`replicas` for ``UNRESPONSIVE_S`` (frozen, or cut off: their records still look alive)."""
         c = self.ctx
 
         async def answers(peer: StageRecord) -> bool:
             try:
-                await transport.call(c.p2p, peer.peer_id, c.manifest.run_id, INFO, {}, [], PROBE_TIMEOUT_S)
+                await transport.call(c.p2p, peer.peer_id, c.manifest.run_id, INFO, {}, [], timeout)
                 return True
             except Exception as err:
                 if isinstance(err, RpcError) and err.code not in NO_ANSWER:
                     return True  # it refused (busy, rate-limited, ...): alive, it answered
                 logger.warning(f"stage {c.stage_index}: replica {peer.peer_id[-8:]} did not answer a probe "
-                               f"within {PROBE_TIMEOUT_S:g}s ({getattr(err, 'code', type(err).__name__)}); "
+                               f"within {timeout:g}s ({getattr(err, 'code', type(err).__name__)}); "
                                f"leaving it out for {UNRESPONSIVE_S:g}s")
                 self.unresponsive[peer.peer_id] = time.monotonic()
                 self.probe_failures += 1
@@ -632,7 +632,7 @@ class ReplicaSync:
                     and now - began_at > self._allreduce_probe_after():
                 next_check = now + 1.0
                 partners = await self._round_partners(step)
-                if partners and not all(await self.probe(partners)):
+                if partners and not all(await self.probe(partners, self._allreduce_probe_timeout())):
                     # A member froze mid-all-reduce: hivemind would hold us for its sender + reducer timeouts and
                     # then average only part of the vector anyway. Our side leaves; the averager finishes the round
                     # in the background (``averager_busy``) and the replicas' states are repaired by a download.
@@ -660,6 +660,13 @@ class ReplicaSync:
             self.typical_allreduce_s = took if self.typical_allreduce_s is None \
                 else 0.8 * self.typical_allreduce_s + 0.2 * took
         return result
+
+    def _allreduce_probe_timeout(self) -> float:
+        """How long a partner has to answer a probe while the all-reduce runs. The probe queues behind the round's
+        own bulk transfer on the same connection (and the partner's reply behind its): on a capped link that takes
+        up to about a typical all-reduce, and a 2 s probe then took live partners for frozen ones (4 of 52 rounds
+        left for nothing at 20 Mbit/s in ``agora bench convergence``)."""
+        return max(PROBE_TIMEOUT_S, self.typical_allreduce_s or 0.0)
 
     def _allreduce_probe_after(self) -> float:
         """Seconds into an all-reduce after which its partners are probed."""
