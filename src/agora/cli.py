@@ -636,10 +636,10 @@ def node(
     checkpoint_every: int = typer.Option(0, help="save every N optimizer steps (and always on leave)"),
     metrics_port: Optional[int] = typer.Option(None, min=0, max=65535, help="serve Prometheus /metrics on this port"),
     rebalance_every: float = typer.Option(15.0, help="seconds between checks whether to move to a weaker stage (0: never)"),
-    averaging_timeout: float = typer.Option(20.0, min=1.0, help="seconds a replica round may take to form, and "
-                                                                 "then to all-reduce (raise it for large stages or "
-                                                                 "slow links: a round that times out is a local "
-                                                                 "step, and replicas then resync)"),
+    averaging_timeout: Optional[float] = typer.Option(
+        None, min=1.0, help="seconds a replica round may take to form, and then to all-reduce (default: 20, or the "
+        "stage's float64 gradients at ~8 Mbit/s if longer; raise it for slow links: a round that times out is a "
+        "local step, and replicas then resync)"),
     summary: Optional[str] = typer.Option(None, help="write a JSON summary of this node here"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads for this node"),
     attack: Optional[str] = typer.Option(None, help="misbehave on purpose (tests/benchmarks): "

@@ -38,7 +38,7 @@ from agora.net.records import (ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_k
 from agora.net.transport import TransferStats
 from agora.sentinel import AUDIT_RATE
 from agora.server.averaging import make_sync
-from agora.server.averaging.sync import ReplicaSync, SyncContext
+from agora.server.averaging.sync import ReplicaSync, SyncContext, default_averaging_timeout_s
 from agora.server.checkpoint import load_stage_checkpoint
 from agora.server.state_access import StateAccess
 from agora.server.downstream import Downstream, DownstreamHooks
@@ -74,7 +74,8 @@ class NodeOptions:
     # also sent to another replica of the next stage (client/router.py); 0 turns hedging off.
     hedge_factor: float = 4.0
     hedge_min_s: float = 3.0
-    averaging_timeout_s: float = 20.0
+    # seconds a round may take to form, then to all-reduce; None: ``default_averaging_timeout_s`` of the stage
+    averaging_timeout_s: Optional[float] = None
     stall_step_s: float = 10.0  # step with what we have if no new samples arrived for this long
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
@@ -135,6 +136,7 @@ class StageNode:
         self.runtime = self._new_runtime(stage)
         self.sync: Optional[ReplicaSync] = None  # set when joining a stage
         self.syncs: list[ReplicaSync] = []  # every sync this node created: all are shut down on stop
+        self.averaging_timeout_s: Optional[float] = self.opts.averaging_timeout_s  # resolved for the stage by _new_sync
         self.inflight = 0
         self.queue = 0  # jobs waiting for or running on the compute thread
         self.serving_since = time.monotonic()
@@ -258,9 +260,14 @@ class StageNode:
         return Downstream(self.manifest, self.stage_index, self.dht, self._p2p, options, hooks)
 
     def _new_sync(self) -> ReplicaSync:
+        timeout = self.opts.averaging_timeout_s
+        if timeout is None:
+            timeout = default_averaging_timeout_s(sum(p.numel() for p in self.runtime.stage.parameters()
+                                                      if p.requires_grad))
+        self.averaging_timeout_s = timeout
         ctx = SyncContext(
             manifest=self.manifest, runtime=self.runtime, dht=self.dht, p2p=self._p2p, peer_id=self.peer_id,
-            averaging_timeout_s=self.opts.averaging_timeout_s, stall_step_s=self.opts.stall_step_s,
+            averaging_timeout_s=timeout, stall_step_s=self.opts.stall_step_s,
             run_compute=self.run_compute, run_io=self.run_io, announce=self.announce, log_event=self.log_event,
             is_serving=lambda: self.state == PeerState.SERVING, local_bans=self.banned_peers, members=self.members,
             observers=self.observers,
@@ -376,7 +383,8 @@ class StageNode:
         self.serving_since = time.monotonic()
         await self.announce()
         self._sync_task = asyncio.create_task(self.sync.run(), name="replica-sync")
-        logger.info(f"stage {self.stage_index} peer {self.peer_id[-8:]} serving at step {self.step}")
+        logger.info(f"stage {self.stage_index} peer {self.peer_id[-8:]} serving at step {self.step} (averaging "
+                    f"rounds time out after {self.averaging_timeout_s:g}s)")
         return True
 
     async def _stop_sync(self) -> None:

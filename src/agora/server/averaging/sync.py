@@ -55,6 +55,13 @@ UNRESPONSIVE_S = RECORD_TTL_S
 # partners probed; if one does not answer, our side leaves the round and steps on its own gradients.
 ALLREDUCE_PROBE_FACTOR = 4.0
 ALLREDUCE_PROBE_MIN_S = 3.0
+# ``agora node --averaging-timeout`` when not given: at least this long, and long enough for a stage's float64
+# gradients at AVERAGING_MIN_RATE (a 2-replica all-reduce sends and receives about that many bytes per replica).
+AVERAGING_TIMEOUT_MIN_S = 20.0
+AVERAGING_MIN_RATE_BYTES_PER_S = 2**20  # ~8.4 Mbit/s
+# Probes in a row (each waiting twice as long as the one before) a partner must miss before we leave the all-reduce:
+# one missed probe also happens to a live partner whose link the round itself saturates.
+ALLREDUCE_PROBE_STRIKES = 2
 
 
 def batch_shares(target: int, microbatch: int, peers: list[tuple[str, float]]) -> dict[str, int]:
@@ -86,6 +93,14 @@ def parameter_fingerprint(module: torch.nn.Module) -> float:
         if m is not None:
             total += float((m.double() * torch.arange(1, m.numel() + 1, dtype=torch.float64).reshape(m.shape)).sum())
         return total
+
+
+def default_averaging_timeout_s(n_parameters: int) -> float:
+    """How long a round may take to form and then to all-reduce, for a stage of ``n_parameters`` trainable
+    parameters. On 20 Mbit/s links 20 s failed 6 of 50 rounds of ``small`` by timeout (its tail's all-reduce outgrew
+    it; docs/bench/convergence/2026-12-03-capped-rounds). A longer timeout costs nothing on fast links: a frozen or
+    dead partner is detected by probes and broken streams."""
+    return max(AVERAGING_TIMEOUT_MIN_S, n_parameters * 8 / AVERAGING_MIN_RATE_BYTES_PER_S)
 
 
 @dataclass
@@ -239,9 +254,10 @@ class ReplicaSync:
             return False
         return since is not None
 
-    async def probe(self, peers: list[StageRecord], timeout: float = PROBE_TIMEOUT_S) -> list[bool]:
-        """Whether each of ``peers`` answers a small call within ``timeout``; those that do not are left out of
-        :meth:`replicas` for ``UNRESPONSIVE_S`` (frozen, or cut off: their records still look alive)."""
+    async def probe(self, peers: list[StageRecord], timeout: float = PROBE_TIMEOUT_S,
+                    mark: bool = True) -> list[bool]:
+        """Whether each of ``peers`` answers a small call within ``timeout``; with ``mark``, those that do not are
+        left out of :meth:`replicas` for ``UNRESPONSIVE_S`` (frozen, or cut off: their records still look alive)."""
         c = self.ctx
 
         async def answers(peer: StageRecord) -> bool:
@@ -251,6 +267,10 @@ class ReplicaSync:
             except Exception as err:
                 if isinstance(err, RpcError) and err.code not in NO_ANSWER:
                     return True  # it refused (busy, rate-limited, ...): alive, it answered
+                if not mark:
+                    logger.info(f"stage {c.stage_index}: replica {peer.peer_id[-8:]} did not answer a probe within "
+                                f"{timeout:g}s ({getattr(err, 'code', type(err).__name__)}); probing it again")
+                    return False
                 logger.warning(f"stage {c.stage_index}: replica {peer.peer_id[-8:]} did not answer a probe "
                                f"within {timeout:g}s ({getattr(err, 'code', type(err).__name__)}); "
                                f"leaving it out for {UNRESPONSIVE_S:g}s")
@@ -619,6 +639,7 @@ class ReplicaSync:
         hard_deadline = time.monotonic() + 2 * timeout + 10.0
         next_check = time.monotonic() + 2.0
         began_at: Optional[float] = None
+        strikes = 0  # probes in a row during the all-reduce that a partner did not answer
         while not control.done():
             await asyncio.sleep(0.1)
             now = time.monotonic()
@@ -632,14 +653,21 @@ class ReplicaSync:
                     and now - began_at > self._allreduce_probe_after():
                 next_check = now + 1.0
                 partners = await self._round_partners(step)
-                if partners and not all(await self.probe(partners, self._allreduce_probe_timeout())):
+                if not partners:
+                    continue
+                last = strikes + 1 >= ALLREDUCE_PROBE_STRIKES
+                if all(await self.probe(partners, self._allreduce_probe_timeout() * 2 ** strikes, mark=last)):
+                    strikes = 0
+                elif not last:
+                    strikes += 1  # a probe queued behind a saturated link is late too: ask again, waiting longer
+                else:
                     # A member froze mid-all-reduce: hivemind would hold us for its sender + reducer timeouts and
                     # then average only part of the vector anyway. Our side leaves; the averager finishes the round
                     # in the background (``averager_busy``) and the replicas' states are repaired by a download.
                     self._left_control = control
                     self.left_rounds += 1
                     logger.warning(f"stage {stage}: a replica stopped answering during the all-reduce of step "
-                                   f"{step} ({now - began_at:.1f}s); leaving the round")
+                                   f"{step} ({time.monotonic() - began_at:.1f}s); leaving the round")
                     return None
             if (step is not None or alive is not None) and now > next_check and not control.began_allreduce:
                 next_check = now + 1.0
