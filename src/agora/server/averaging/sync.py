@@ -97,9 +97,9 @@ def parameter_fingerprint(module: torch.nn.Module) -> float:
 
 def default_averaging_timeout_s(n_parameters: int) -> float:
     """How long a round may take to form and then to all-reduce, for a stage of ``n_parameters`` trainable
-    parameters. On 20 Mbit/s links 20 s failed about 6 of 50 rounds of ``small`` by timeout (its tail's all-reduce outgrew
-    it; docs/bench/convergence/2026-12-03-capped-rounds). A longer timeout costs nothing on fast links: a frozen or
-    dead partner is detected by probes and broken streams."""
+    parameters. On 20 Mbit/s links 20 s failed about 6 of 50 rounds of ``small`` by timeout (its tail's all-reduce
+    outgrew it; docs/bench/convergence/2026-12-03-capped-rounds). A longer timeout costs nothing on fast links: a
+    frozen or dead partner is detected by probes and broken streams."""
     return max(AVERAGING_TIMEOUT_MIN_S, n_parameters * 8 / AVERAGING_MIN_RATE_BYTES_PER_S)
 
 
