@@ -87,6 +87,35 @@ def kill_pids(pids: list[int]) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def kill_started(procs) -> None:
+    """SIGKILL every ``subprocess.Popen`` a test started and whatever each spawned, by PID: the process's own group
+    too (each was started with ``start_new_session=True``, and its DHT process and p2pd stay in that group even when
+    the main process died first), then reap it."""
+    import os
+    import signal
+
+    import psutil
+
+    for proc in procs:
+        if proc is None:
+            continue
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.Error:
+            tree = []
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(tree, timeout=10)
+        proc.wait(timeout=10)
+
+
 async def wait_until(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
     """Poll ``predicate`` on the test's loop until it holds; fail naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from swarm_util import kill_started
+
 pytestmark = pytest.mark.slow
 
 ORPHAN_DEADLINE_S = 5.0
@@ -82,20 +84,7 @@ def _kill_main_and_check_tree(proc: subprocess.Popen, port: int, min_helpers: in
 
 
 def _cleanup(*procs: subprocess.Popen) -> None:
-    for proc in procs:
-        if proc is None:
-            continue
-        try:
-            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.Error:
-            tree = []
-        for p in tree:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(tree, timeout=10)
-        proc.wait(timeout=10)
+    kill_started(procs)
 
 
 def test_a_killed_bootstrap_leaves_no_dht_process_and_frees_its_port(tmp_path):

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import psutil
 import pytest
 
 from agora.config import load_manifest
+from swarm_util import kill_started
 
 pytestmark = pytest.mark.slow
 
@@ -69,27 +69,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=10)
-
-
-def _cleanup(procs: list[subprocess.Popen]) -> None:
-    """Everything this test started, by PID: each process's group (every one has its own session, and its DHT
-    process and p2pd stay in it even when the main process died first) and whatever it spawned."""
-    for proc in procs:
-        try:
-            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.Error:
-            tree = []
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for p in tree:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(tree, timeout=10)
-        proc.wait(timeout=10)
 
 
 def test_the_drawer_sigkilled_mid_rotation_leaves_both_stages_in_one_frame(tmp_path):
@@ -165,7 +144,7 @@ def test_the_drawer_sigkilled_mid_rotation_leaves_both_stages_in_one_frame(tmp_p
 
         _wait(stage1_agrees, 90, "stage 1's replicas to agree", procs, tmp_path)
     finally:
-        _cleanup(list(procs.values()))
+        kill_started(list(procs.values()))
 
     print(f"killed {victim} at step {at_kill['step']} with frame {epoch} of boundary 0 due after step {apply_step}; "
           f"after: " + json.dumps({n: _brief(v) for n, v in after.items()}))
