@@ -384,7 +384,7 @@ class StageNode:
         await self.announce()
         self._sync_task = asyncio.create_task(self.sync.run(), name="replica-sync")
         logger.info(f"stage {self.stage_index} peer {self.peer_id[-8:]} serving at step {self.step} (averaging "
-                    f"rounds time out after {self.averaging_timeout_s:g}s)")
+                    f"rounds time out after {self.averaging_timeout_s:.0f}s)")
         return True
 
     async def _stop_sync(self) -> None:
