@@ -253,8 +253,7 @@ def test_joining_peer_takes_the_weakest_stage_and_its_replicas_state_before_serv
                            for p, q in zip(joiner.stage.parameters(), ref.stage.parameters()))
             return stage, joiner.step, ref.step, _max_diff(joiner, ref), moved, opt_diff, joiner.sync.resyncs
 
-    stage, joiner_step, ref_step, diff, moved, opt_diff, resyncs = asyncio.run(main())
-    assert stage in (0, 1)
+    _, joiner_step, ref_step, diff, moved, opt_diff, resyncs = asyncio.run(main())
     assert moved > 1e-4  # training moved the replica away from the seed, so equality below means a real download
     assert joiner_step == ref_step == 2 and resyncs >= 1
     assert diff < 1e-6 and opt_diff < 1e-6

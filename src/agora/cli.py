@@ -16,6 +16,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Protocol Lea
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write JSON + Markdown results.")
 app.add_typer(bench_app, name="bench")
 
+console = Console(stderr=True)
+
 
 def writable_dir(value: Optional[Path]) -> Optional[Path]:
     """An ``--out`` folder, created now and checked writable: a long run must not find out at its end that it
@@ -32,7 +34,6 @@ def writable_dir(value: Optional[Path]) -> Optional[Path]:
     except OSError as err:
         raise typer.BadParameter(f"cannot write to {value}: {err.strerror or err}") from None
     return value
-console = Console(stderr=True)
 
 
 def _listed(text: str, cast=str) -> tuple:

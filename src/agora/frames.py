@@ -12,6 +12,7 @@ compound in low precision. docs/UPM.md has the algebra and what it does not hide
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -67,6 +68,13 @@ def exact_basis(stage: Stage) -> None:
         f.copy_(f - (f @ q) @ q.T)
 
 
+def orthogonality_error(r: Tensor) -> float:
+    """max |R^T R - I| of a square float64 matrix (inf when it holds NaN or Inf)."""
+    if not bool(torch.isfinite(r).all()):
+        return math.inf
+    return float((r.T @ r - torch.eye(r.shape[0], dtype=torch.float64)).abs().max())
+
+
 def check_frame_map(stage: Stage, m: Optional[Tensor]) -> Optional[Tensor]:
     """A boundary map received in a state (a download, a checkpoint) for ``stage``, checked: None stays None;
     otherwise a finite orthogonal n x n matrix (n = ``frame_width``) for a non-tail stage, returned in float64
@@ -81,7 +89,7 @@ def check_frame_map(stage: Stage, m: Optional[Tensor]) -> Optional[Tensor]:
     m = m.double()
     if not bool(torch.isfinite(m).all()):
         raise ValueError("boundary map contains NaN or Inf")
-    drift = float((m.T @ m - torch.eye(n, dtype=torch.float64)).abs().max())
+    drift = orthogonality_error(m)
     if drift > 1e-4:
         raise ValueError("boundary map is not orthogonal")
     # Cleaned only when it drifted: a map orthogonal to rounding is kept bit for bit, so a replica that downloads

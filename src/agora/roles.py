@@ -289,7 +289,7 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "bytes_sent_downstream": node.stats_out.payload_bytes_sent,
         "bytes_received_upstream": node.stats_in.payload_bytes_received,
         "bytes_sent_upstream": node.stats_in.payload_bytes_sent,
-        "averaging_timeout_s": node.averaging_timeout_s,
+        "averaging_timeout_s": sync.ctx.averaging_timeout_s if sync else None,
         "rounds_ok": sum(s.rounds_ok for s in syncs),
         "rounds_failed": sum(s.rounds_failed for s in syncs),
         "local_steps": sum(s.local_steps for s in syncs),

@@ -136,7 +136,6 @@ class StageNode:
         self.runtime = self._new_runtime(stage)
         self.sync: Optional[ReplicaSync] = None  # set when joining a stage
         self.syncs: list[ReplicaSync] = []  # every sync this node created: all are shut down on stop
-        self.averaging_timeout_s: Optional[float] = self.opts.averaging_timeout_s  # resolved for the stage by _new_sync
         self.inflight = 0
         self.queue = 0  # jobs waiting for or running on the compute thread
         self.serving_since = time.monotonic()
@@ -261,10 +260,9 @@ class StageNode:
 
     def _new_sync(self) -> ReplicaSync:
         timeout = self.opts.averaging_timeout_s
-        if timeout is None:
+        if timeout is None:  # resolved per stage: a node that moves gets its new stage's
             timeout = default_averaging_timeout_s(sum(p.numel() for p in self.runtime.stage.parameters()
                                                       if p.requires_grad))
-        self.averaging_timeout_s = timeout
         ctx = SyncContext(
             manifest=self.manifest, runtime=self.runtime, dht=self.dht, p2p=self._p2p, peer_id=self.peer_id,
             averaging_timeout_s=timeout, stall_step_s=self.opts.stall_step_s,
@@ -384,7 +382,7 @@ class StageNode:
         await self.announce()
         self._sync_task = asyncio.create_task(self.sync.run(), name="replica-sync")
         logger.info(f"stage {self.stage_index} peer {self.peer_id[-8:]} serving at step {self.step} (averaging "
-                    f"rounds time out after {self.averaging_timeout_s:.0f}s)")
+                    f"rounds time out after {self.sync.ctx.averaging_timeout_s:.0f}s)")
         return True
 
     async def _stop_sync(self) -> None:

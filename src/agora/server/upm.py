@@ -24,7 +24,8 @@ from torch import Tensor
 
 from agora.config import Manifest
 from agora.frames import (current_gains, enable_frames, frame_width, haar_orthogonal,
-                          input_gradients, input_weights, reorthogonalize, rotate_input, rotate_output)
+                          input_gradients, input_weights, orthogonality_error, reorthogonalize, rotate_input,
+                          rotate_output)
 from agora.model import Stage
 from agora.net import transport
 from agora.net.admission import MIN_RATE_BYTES_PER_S, IncomingLimits
@@ -63,12 +64,6 @@ def push_timeout_s(nbytes: int) -> float:
     period, a wait for budget, then ``MIN_RATE_BYTES_PER_S``) with the rate halved for slack, so a large dense
     rotation over a slow link is not abandoned near its end and sent again from the start."""
     return CALL_TIMEOUT_S + SERVER_GRACE_S + SERVER_BUDGET_WAIT_S + 2 * nbytes / MIN_RATE_BYTES_PER_S
-
-
-def _orthogonal(r: Tensor, tol: float = 1e-6) -> bool:
-    """Finite and orthogonal to ``tol`` (max |R^T R - I|)."""
-    eye = torch.eye(r.shape[0], dtype=torch.float64)
-    return bool(torch.isfinite(r).all()) and float((r.T @ r - eye).abs().max()) <= tol
 
 
 @dataclass
@@ -128,7 +123,7 @@ class FrameLedger:
         if held is None or rot.drawer < held.drawer:
             # Kept bit for bit when orthogonal to rounding (what a drawer sends): every replica, whether it got R
             # from the drawer or from a relay, then applies exactly the same matrix.
-            drift = float((rot.r.T @ rot.r - torch.eye(self.width, dtype=torch.float64)).abs().max())
+            drift = orthogonality_error(rot.r)
             r = rot.r.clone() if drift <= 1e-12 else reorthogonalize(rot.r)
             self.due[key] = Rotation(rot.boundary, rot.epoch, int(rot.apply_step), r, rot.drawer)
             if rot.boundary == self.index - 1:
@@ -301,7 +296,7 @@ class Rotations:
         r = tensors[0]
         n = ledger.width
         # (an n^3 product: seconds for a dense d x d, so off the event loop)
-        if tuple(r.shape) != (n, n) or not await h.run_io(_orthogonal, r):
+        if tuple(r.shape) != (n, n) or await h.run_io(orthogonality_error, r) > 1e-6:
             self.refused += 1
             raise RpcError("bad_request", f"a rotation here is an orthogonal {n} x {n} float64 matrix")
         sender = str(caller)
