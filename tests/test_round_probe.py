@@ -141,3 +141,32 @@ def test_the_default_averaging_timeout_covers_a_stages_float64_gradients_at_8_mb
     assert NodeOptions().averaging_timeout_s is None  # resolved per stage when the node builds its sync
     assert default_averaging_timeout_s(700_000) == AVERAGING_TIMEOUT_MIN_S  # tiny: 5.6 MB of float64
     assert default_averaging_timeout_s(7_000_000) == pytest.approx(7e6 * 8 / 2**20)  # small's largest: ~53 s
+
+
+def test_state_download_timeouts_scale_with_the_stage_state():
+    """A move into ``small``'s tail at 20 Mbit/s timed out on a flat 60 s per page (its first page is 64 MiB and the
+    source's link also carried a round): the timeouts now follow what the download moves."""
+    from agora.config import load_manifest
+    from agora.net.state_transfer import PAGE_BYTES
+    from agora.server.averaging.sync import (STATE_MIN_RATE_BYTES_PER_S, STATE_PAGE_TIMEOUT_MIN_S,
+                                             STATE_SYNC_TIMEOUT_MIN_S, default_sync_timeout_s, stage_state_bytes,
+                                             state_page_timeout_s)
+    from agora.server.node import NodeOptions
+    from agora.server.observers import Observers
+    from agora.server.runtime import Counters, StageRuntime
+    import torch
+
+    assert NodeOptions().sync_timeout_s is None
+    # The estimate bounds what a real export of a stage that stepped holds (parameters + Adam's two moments).
+    rt = StageRuntime(load_manifest("tiny"), 1, Counters(), Observers())
+    rt.apply_step([torch.full(p.shape, 0.01, dtype=torch.float64) for p in rt.stage.parameters()])
+    _, names, tensors = rt.export_state()
+    exported = sum(t.numel() * t.element_size() for t in tensors)
+    estimate = stage_state_bytes(rt.stage)
+    assert exported <= estimate <= 1.05 * exported, (exported, estimate)
+    # tiny: the old flat values; small's tail (8.9M parameters, ~107 MB): 128 s per 64 MiB page, ~4 min in all.
+    assert state_page_timeout_s(estimate) == STATE_PAGE_TIMEOUT_MIN_S
+    assert default_sync_timeout_s(estimate) == STATE_SYNC_TIMEOUT_MIN_S
+    tail = 8_915_456 * 12
+    assert state_page_timeout_s(tail) == pytest.approx(PAGE_BYTES / STATE_MIN_RATE_BYTES_PER_S) == 128.0
+    assert default_sync_timeout_s(tail) == pytest.approx(60 + tail / STATE_MIN_RATE_BYTES_PER_S)

@@ -65,8 +65,9 @@ async def _train(man, join_after: bool = False):
 
 async def _join_and_train(man, peers, nodes, trainer, data):
     """A third replica of stage 1 joins after the rotations: it downloads the state in the current frames, and after
-    a wave through it its parameters equal the replicas'. Then the replica that draws boundary 1's rotations leaves
-    right after drawing one (before it is applied): two more waves, and every survivor is in one frame again."""
+    a wave through it its parameters equal the replicas' (by its round, or by the repair after a round it missed).
+    Then the replica that draws boundary 1's rotations leaves right after drawing one (before it is applied): two
+    more waves, and every survivor is in one frame again."""
     dht = make_dht(peers, manifest=man)
     joiner = StageNode(man, 1, dht, NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0))
     left = None
@@ -76,9 +77,19 @@ async def _join_and_train(man, peers, nodes, trainer, data):
         epochs = (joiner.runtime.frames.epoch_in, joiner.runtime.frames.epoch_out)
         same = epochs == (stage1[0].runtime.frames.epoch_in, stage1[0].runtime.frames.epoch_out) and \
             joiner.sync.fingerprint == stage1[0].sync.fingerprint
+        # Usually the wave's round leaves the three bit-identical. On a loaded machine the joiner's round can form
+        # without it (the two others matched before it came): it steps alone, and its next tick finds its
+        # fingerprint apart from the lowest replica's and adopts that state. Either way they agree soon after.
         await _wave(trainer, data, [joiner, *stage1])
-        result = {"epochs": epochs, "same_state": same,
-                  "same_after_a_step": all(n.sync.fingerprint == joiner.sync.fingerprint for n in stage1)}
+        agreed_at_once = all(n.sync.fingerprint == joiner.sync.fingerprint for n in stage1)
+        try:
+            await wait_until(lambda: all(n.sync.fingerprint_valid and n.sync.fingerprint == joiner.sync.fingerprint
+                                         for n in stage1), 30, "the joiner's parameters equal the replicas'")
+            same_after = True
+        except Exception:  # reported (with the rest) by the assertion on the result
+            same_after = False
+        result = {"epochs": epochs, "same_state": same, "agreed_at_once": agreed_at_once,
+                  "same_after_a_wave": same_after, "repairs": joiner.sync.resyncs}
         # The drawer of boundary 1 (the lowest serving peer id of stage 1) leaves with a rotation on its way.
         replicas = [joiner, *stage1]
         drawer = min(replicas, key=lambda n: n.peer_id)
@@ -86,13 +97,13 @@ async def _join_and_train(man, peers, nodes, trainer, data):
         left = drawer
         await drawer.stop()
         survivors = [n for n in replicas if n is not drawer]
+        tail = [n for n in nodes if n.stage_index == 2]
         drawn_before = sum(n.rotations.drawn for n in survivors)
-        await _wave(trainer, data, survivors)
+        await _wave(trainer, data, survivors + tail)
         # The lowest survivor draws once the drawer's record is gone from its view (record expiry + one read).
         await wait_until(lambda: sum(n.rotations.drawn for n in survivors) > drawn_before, 40, "a survivor's draw")
         for _ in range(2):
-            await _wave(trainer, data, survivors)
-        tail = [n for n in nodes if n.stage_index == 2]
+            await _wave(trainer, data, survivors + tail)  # the tail too: its frame is compared after its step
         result["left"] = drawer.peer_id
         result["after_leave"] = {
             "same": len({n.sync.fingerprint for n in survivors}) == 1,
@@ -108,10 +119,11 @@ async def _join_and_train(man, peers, nodes, trainer, data):
 
 
 async def _wave(trainer, data, replicas):
-    step = max(n.step for n in replicas)
+    """One wave of batches; returns once every node in ``replicas`` has taken the step it makes."""
+    before = {id(n): n.step for n in replicas}
     sent = await asyncio.gather(*(trainer.send(b) for b in data))
     assert all(x is not None for x in sent), sent
-    await wait_until(lambda: all(n.step >= step + 1 and n.sync.fingerprint_valid and not n.sync.stepping
+    await wait_until(lambda: all(n.step >= before[id(n)] + 1 and n.sync.fingerprint_valid and not n.sync.stepping
                                  for n in replicas), 40, "a wave's step")
 
 
@@ -166,7 +178,7 @@ def test_a_rotating_swarm_learns_what_a_plain_one_does_and_keeps_rotations_off_t
     joiner = rot["joiner"]
     assert joiner["same_state"], joiner
     assert joiner["epochs"][0] >= 2
-    assert joiner["same_after_a_step"], joiner
+    assert joiner["same_after_a_wave"], joiner
     # The drawer left mid-rotation: the survivors agree, the next stage is in their frame, and one of them draws.
     after = joiner["after_leave"]
     assert after["same"] and len(after["frames"]) == 1, after

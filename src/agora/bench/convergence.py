@@ -16,6 +16,7 @@ rows add one source of difference at a time to ``serial``, then all together:
   all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run)
   all_no_overlap  ``all`` with overlap off
   all_capped      ``all`` with every peer's link capped at ``link_mbps`` (only with ``link_mbps``)
+  all_capped_no_overlap  ``all_capped`` with overlap off (is the capped gap the staleness of slow rounds?)
   upm, upm_5s     ``replicas`` with UPM: every boundary's frame rotated every ``upm_every_s`` (30 s), or every 5 s
   nadam           ``all`` with NAdam (betas 0.99, 0.999: the asynchronous-pipeline recipe) instead of AdamW
   nadam_lookahead ``nadam`` with the look-ahead: forwards while a step is pending run one predicted update ahead
@@ -41,7 +42,7 @@ from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
 ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "sparse", "diloco", "gossip", "all", "all_no_overlap",
-        "all_capped", "upm", "upm_5s", "nadam", "nadam_lookahead", "nadam_no_overlap")
+        "all_capped", "all_capped_no_overlap", "upm", "upm_5s", "nadam", "nadam_lookahead", "nadam_no_overlap")
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
@@ -110,12 +111,13 @@ class ConvergenceOptions:
             shapes[name]["overrides"] = settings
         if self.link_mbps is not None:
             shapes["all_capped"] = row(r, f, None, mbps=self.link_mbps)
+            shapes["all_capped_no_overlap"] = row(r, f, False, mbps=self.link_mbps)
         if self.rows is None:
             return shapes
         unknown = [name for name in self.rows if name not in shapes]
         if unknown:
             raise ValueError(f"unknown or inapplicable rows {unknown}; choose from {sorted(shapes)} "
-                             f"(all_capped needs link_mbps)")
+                             f"(all_capped rows need link_mbps)")
         return {name: shapes[name] for name in self.rows}
 
 

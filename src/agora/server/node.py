@@ -38,7 +38,7 @@ from agora.net.records import (ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_k
 from agora.net.transport import TransferStats
 from agora.sentinel import AUDIT_RATE
 from agora.server.averaging import make_sync
-from agora.server.averaging.sync import ReplicaSync, SyncContext, default_averaging_timeout_s
+from agora.server.averaging.sync import ReplicaSync, SyncContext, default_averaging_timeout_s, stage_state_bytes
 from agora.server.checkpoint import load_stage_checkpoint
 from agora.server.state_access import StateAccess
 from agora.server.downstream import Downstream, DownstreamHooks
@@ -84,7 +84,8 @@ class NodeOptions:
     resume_dir: Optional[str] = None
     drain_timeout_s: float = 20.0
     threads: Optional[int] = None
-    sync_timeout_s: float = 120.0  # a joining/moving peer's state download, all attempts together
+    # a joining/moving peer's state download, all attempts together; None: ``default_sync_timeout_s`` of the stage
+    sync_timeout_s: Optional[float] = None
     # Rebalancing (0: off; `agora node` turns it on): every ~N s a serving peer checks whether moving one peer to
     # the bottleneck stage lifts throughput by >= min_move_gain, not before rebalance_dwell_s after it started
     # serving or last moved (measurements of a fresh stage need time to settle).
@@ -260,15 +261,15 @@ class StageNode:
 
     def _new_sync(self) -> ReplicaSync:
         timeout = self.opts.averaging_timeout_s
+        trainable = [p for p in self.runtime.stage.parameters() if p.requires_grad]
         if timeout is None:  # resolved per stage: a node that moves gets its new stage's
-            timeout = default_averaging_timeout_s(sum(p.numel() for p in self.runtime.stage.parameters()
-                                                      if p.requires_grad))
+            timeout = default_averaging_timeout_s(sum(p.numel() for p in trainable))
         ctx = SyncContext(
             manifest=self.manifest, runtime=self.runtime, dht=self.dht, p2p=self._p2p, peer_id=self.peer_id,
             averaging_timeout_s=timeout, stall_step_s=self.opts.stall_step_s,
             run_compute=self.run_compute, run_io=self.run_io, announce=self.announce, log_event=self.log_event,
             is_serving=lambda: self.state == PeerState.SERVING, local_bans=self.banned_peers, members=self.members,
-            observers=self.observers,
+            observers=self.observers, state_bytes=stage_state_bytes(self.runtime.stage),
         )
         return make_sync(ctx)
 

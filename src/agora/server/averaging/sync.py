@@ -29,7 +29,7 @@ from agora.net.errors import NO_ANSWER
 from agora.net.members import RunMembers
 from agora.net import transport
 from agora.net.protocol import INFO, OVER_SHARE
-from agora.net.state_transfer import fetch_state
+from agora.net.state_transfer import PAGE_BYTES, fetch_state
 from agora.net.records import (RECORD_TTL_S, PeerState, StageRecord, read_stage, read_swarm_bans,
                                 sampled_consensus_distance, trainers_training)
 from agora.net.transport import RpcError
@@ -59,6 +59,11 @@ ALLREDUCE_PROBE_MIN_S = 3.0
 # gradients at AVERAGING_MIN_RATE (a 2-replica all-reduce sends and receives about that many bytes per replica).
 AVERAGING_TIMEOUT_MIN_S = 20.0
 AVERAGING_MIN_RATE_BYTES_PER_S = 2**20  # ~8.4 Mbit/s
+# A state download (a joining, moving or repairing replica) shares the source's link with its rounds: pages and the
+# whole download are given time for STATE_MIN_RATE, and never less than the minimums.
+STATE_MIN_RATE_BYTES_PER_S = 2**19  # ~4.2 Mbit/s
+STATE_PAGE_TIMEOUT_MIN_S = 60.0
+STATE_SYNC_TIMEOUT_MIN_S = 120.0
 # Probes in a row (each waiting twice as long as the one before) a partner must miss before we leave the all-reduce:
 # one missed probe also happens to a live partner whose link the round itself saturates.
 ALLREDUCE_PROBE_STRIKES = 2
@@ -103,6 +108,26 @@ def default_averaging_timeout_s(n_parameters: int) -> float:
     return max(AVERAGING_TIMEOUT_MIN_S, n_parameters * 8 / AVERAGING_MIN_RATE_BYTES_PER_S)
 
 
+def state_page_timeout_s(state_bytes: int) -> float:
+    """How long one page of a ``get_state`` download may take, for a stage whose state is ``state_bytes``. A flat 60 s
+    failed a move into ``small``'s tail at 20 Mbit/s: its first page is 64 MiB, and the source's link also carried
+    its all-reduce (docs/bench/convergence/2026-12-03-capped-rounds)."""
+    return max(STATE_PAGE_TIMEOUT_MIN_S, min(state_bytes, PAGE_BYTES) / STATE_MIN_RATE_BYTES_PER_S)
+
+
+def stage_state_bytes(stage: torch.nn.Module) -> int:
+    """About what a ``get_state`` download of ``stage`` moves: every parameter, plus two fp32 optimizer moments per
+    trainable one (Adam's; Muon keeps one, so this is an upper bound), plus a little for the scalars (steps)."""
+    params = list(stage.parameters())
+    return sum(p.numel() * p.element_size() for p in params) + \
+        sum(8 * p.numel() for p in params if p.requires_grad) + 4096
+
+
+def default_sync_timeout_s(state_bytes: int) -> float:
+    """How long a joining or moving replica tries to download a stage's state, all attempts together."""
+    return max(STATE_SYNC_TIMEOUT_MIN_S, 60.0 + state_bytes / STATE_MIN_RATE_BYTES_PER_S)
+
+
 @dataclass
 class SyncContext:
     """What a replica sync works with, passed explicitly by the node that owns it.
@@ -132,6 +157,11 @@ class SyncContext:
     members: Optional[RunMembers]
     observers: Observers
     clip_wait_s: float = 10.0  # how long a step waits for the other stages' gradient norms (averaging/clip.py)
+    state_bytes: int = 0  # about what a ``get_state`` download of this stage moves (its download timeouts scale with it)
+
+    @property
+    def state_page_timeout_s(self) -> float:
+        return state_page_timeout_s(self.state_bytes)
 
     @property
     def stage_index(self) -> int:
@@ -342,7 +372,7 @@ class ReplicaSync:
         return bool(outsiders)
 
     # ------------------------------------------------------------------ repairs
-    async def download_from_any(self, candidates: list[StageRecord], timeout: float = 60.0,
+    async def download_from_any(self, candidates: list[StageRecord], timeout: Optional[float] = None,
                                 keep_grads: bool = False) -> bool:
         """``download_from`` one of ``candidates`` (equally good sources) that answers a probe; False when none
         does. A frozen replica's record looks alive for up to its TTL, and a download from it would wait for the
@@ -354,14 +384,16 @@ class ReplicaSync:
             return False
         return await self.download_from(live[0], timeout=timeout, keep_grads=keep_grads)
 
-    async def download_from(self, peer: StageRecord, timeout: float = 60.0, keep_grads: bool = False) -> bool:
-        """Copy parameters + optimizer state + step from ``peer``; bounded by ``timeout``.
+    async def download_from(self, peer: StageRecord, timeout: Optional[float] = None, keep_grads: bool = False) -> bool:
+        """Copy parameters + optimizer state + step from ``peer``; each page bounded by ``timeout`` (default: the
+        stage's ``state_page_timeout_s``).
 
         ``keep_grads``: keep the gradients accumulated toward the next step (a same-step repair); a download that
         changes the step drops them, since they belong to a step the replicas already took.
         """
         c, rt = self.ctx, self.ctx.runtime
         meta = {"run_id": c.manifest.run_id, "manifest_hash": c.manifest.hash, "stage": c.stage_index}
+        timeout = c.state_page_timeout_s if timeout is None else timeout
         t0 = time.monotonic()
         try:
             reply, names, tensors = await fetch_state(c.p2p, peer.peer_id, c.manifest.run_id, meta, timeout)
@@ -398,8 +430,9 @@ class ReplicaSync:
     def fingerprint_valid(self) -> bool:
         return self.fingerprint_step == self.ctx.runtime.step
 
-    async def initial_sync(self, timeout: float = 120.0, attempts: int = 5) -> bool:
-        """Take the state of the freshest serving replica before serving; bounded by ``timeout`` and ``attempts``.
+    async def initial_sync(self, timeout: Optional[float] = None, attempts: int = 5) -> bool:
+        """Take the state of the freshest serving replica before serving; bounded by ``timeout`` (default:
+        ``default_sync_timeout_s`` of the stage's state) and ``attempts``.
 
         True when in sync with the freshest replica (or when there is none: the first replica starts from the seed
         or its checkpoint). Replicas may step while we download, so we check again after each download. False when
@@ -407,6 +440,7 @@ class ReplicaSync:
         later, a moving node goes back to its old stage).
         """
         rt = self.ctx.runtime
+        timeout = default_sync_timeout_s(self.ctx.state_bytes) if timeout is None else timeout
         t0 = time.monotonic()
         deadline = t0 + timeout
         failures = 0
@@ -420,7 +454,7 @@ class ReplicaSync:
             same_state = not known or self.fingerprint in known
             if best < rt.step or (best == rt.step and same_state):
                 return True
-            left = max(1.0, min(60.0, deadline - time.monotonic()))
+            left = max(1.0, min(self.ctx.state_page_timeout_s, deadline - time.monotonic()))
             if await self.download_from_any(freshest, timeout=left):
                 continue
             failures += 1
