@@ -111,43 +111,6 @@ def test_a_partial_batch_is_stepped_only_once_no_trainer_trains():
     asyncio.run(scenario())
 
 
-def test_a_retry_over_the_share_waits_as_long_as_records_take_to_travel():
-    """Over slow links a replica's announcement of what it admitted reaches the other replica late: a retried
-    microbatch over our share waits for it as long as our own stores and reads take (twice over, plus the 1 s between
-    announcements during a round), not a flat 3 s, before it is taken anyway."""
-    from agora.server.averaging.sync import SHARE_WAIT_MAX_S, SHARE_WAIT_S
-
-    sync = _sync()
-    rt = sync.ctx.runtime
-    sync._note_replicas([_replica(rt.step, 0)])  # one other replica: our share is half the target batch
-    assert sync.share() == sync.target // 2
-    assert sync.share_wait_s() == SHARE_WAIT_S  # fast records: the floor
-    slow = []
-
-    async def slow_store():
-        slow.append(1)
-        await asyncio.sleep(0.6)
-
-    sync.ctx.announce = slow_store
-
-    async def scenario():
-        rt.samples = 8  # our share is held; the batch has room for the other replica's
-        await sync._announce_samples(min_interval_s=0.0)  # a 0.6 s store
-        assert slow and sync.record_store_s == pytest.approx(0.6, abs=0.2)
-        sync.record_read_s = 1.0  # a 1 s read of the stage's records
-        wait = sync.share_wait_s()
-        assert wait == pytest.approx(1.0 + 2 * (sync.record_store_s + 1.0)) and wait > SHARE_WAIT_S
-        retry = asyncio.create_task(sync.admit_training(8, 60.0, first_attempt=False))
-        await asyncio.sleep(SHARE_WAIT_S + 0.5)
-        assert not retry.done()  # a flat 3 s would have taken it by now
-        await asyncio.wait_for(retry, wait)
-        assert sync.share_overflows == 1
-        sync.record_read_s = 100.0
-        assert sync.share_wait_s() == SHARE_WAIT_MAX_S
-
-    asyncio.run(scenario())
-
-
 def test_microbatches_admitted_before_any_finished_are_announced():
     """Right after a step a replica holds admitted microbatches and no finished sample: its tick announces them, so
     the other replica's admission counts them (announced only with samples, they stayed unseen for seconds)."""

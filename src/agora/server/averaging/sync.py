@@ -44,7 +44,6 @@ logger = logging.getLogger("agora.averaging")
 
 POLL_S = 0.3
 SHARE_WAIT_S = 3.0  # how long a retried microbatch over our share waits for the others' counts before it is taken
-SHARE_WAIT_MAX_S = 30.0  # ... at most, however slow the records travel (``share_wait_s``)
 ZERO_SAMPLE_WEIGHT = 1e-6  # hivemind requires positive weights; this keeps an empty replica's influence < fp32 eps
 # A round's partner is probed (a small ``info`` call) when the round waits: a frozen replica's record outlives its
 # last announcement by up to RECORD_TTL_S, and hivemind waits for a frozen all-reduce member for its sender and
@@ -68,11 +67,6 @@ STATE_SYNC_TIMEOUT_MIN_S = 120.0
 # Probes in a row (each waiting twice as long as the one before) a partner must miss before we leave the all-reduce:
 # one missed probe also happens to a live partner whose link the round itself saturates.
 ALLREDUCE_PROBE_STRIKES = 2
-
-
-def _ema(previous: float, sample: float) -> float:
-    """A moving average that follows a slowdown at once and a recovery gradually."""
-    return sample if sample > previous else 0.8 * previous + 0.2 * sample
 
 
 def batch_shares(target: int, microbatch: int, peers: list[tuple[str, float]]) -> dict[str, int]:
@@ -220,9 +214,6 @@ class ReplicaSync:
         self.stepping = False  # between taking the batch's gradients and applying the step (``round``)
         self.share_overflows = 0  # retried microbatches taken beyond our share (the others' counts looked stale)
         self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
-        # How long our record stores and stage reads take (moving averages): a replica's counts reach us about as
-        # late as ours reach it (``share_wait_s``).
-        self.record_store_s = self.record_read_s = 0.0
         ctx.runtime.fingerprint_at = lambda step: self.fingerprint if self.fingerprint_step == step else None
 
     def averager_settings(self) -> dict:
@@ -280,9 +271,7 @@ class ReplicaSync:
     # ------------------------------------------------------------------ reading the replicas
     async def replicas(self) -> list[StageRecord]:
         c, m = self.ctx, self.ctx.manifest
-        t0 = time.monotonic()
         recs = await c.run_io(read_stage, c.dht, m.run_id, c.stage_index, m.hash)
-        self.record_read_s = _ema(self.record_read_s, time.monotonic() - t0)
         self.replica_ids = {r.peer_id for r in recs if r.peer_id != c.peer_id}
         others = [r for r in recs if r.peer_id != c.peer_id and not self._is_unresponsive(r.peer_id)]
         self._note_replicas(others)
@@ -500,7 +489,7 @@ class ReplicaSync:
 
         When the batch has room but this replica holds its share of it (``share``), a microbatch on its
         ``first_attempt`` is redirected (``over_share``: its sender tries another replica of the stage), and a
-        retry waits up to ``share_wait_s`` for the others' announcements to close the batch or for a step to open a
+        retry waits up to ``SHARE_WAIT_S`` for the others' announcements to close the batch or for a step to open a
         new share; it is then taken whatever the share: the shares come from records that may be stale (a replica
         that just died keeps one until its record expires), and a share must never stall a stage or abandon work.
         The conditions are checked together on every pass, with nothing awaited between the last check and the
@@ -519,10 +508,10 @@ class ReplicaSync:
                     raise RpcError(OVER_SHARE, f"this replica of stage {self.ctx.stage_index} holds its share "
                                                f"({self.share()} samples) of step {self.ctx.runtime.step + 1}'s batch")
                 over_share_since = over_share_since or now
-                if now - over_share_since > self.share_wait_s():
+                if now - over_share_since > SHARE_WAIT_S:
                     self.share_overflows += 1
                     logger.info(f"stage {self.ctx.stage_index}: took a retried microbatch beyond this replica's "
-                                f"share after {now - over_share_since:.1f}s (step {self.ctx.runtime.step + 1}: ours "
+                                f"share after {SHARE_WAIT_S:g}s (step {self.ctx.runtime.step + 1}: ours "
                                 f"{self.ctx.runtime.samples} + {self.admitted} in flight, the others' "
                                 f"{self.others_reserved}, share {self.share()} of {self.target} among "
                                 f"{len(self.share_peers) + 1})")
@@ -600,16 +589,6 @@ class ReplicaSync:
         if counts != self._announced_counts and time.monotonic() - self._announced_at > min_interval_s:
             self._announced_counts, self._announced_at = counts, time.monotonic()
             await self.ctx.announce()
-            self.record_store_s = _ema(self.record_store_s, time.monotonic() - self._announced_at)
-
-    def share_wait_s(self) -> float:
-        """How long a retried microbatch over our share waits for the others' counts: ``SHARE_WAIT_S``, or long
-        enough for a replica's announcement to be stored and read back the way ours are (twice over, plus the 1 s
-        between announcements during a round), whichever is longer; at most ``SHARE_WAIT_MAX_S``. Over 20 Mbit/s
-        links a flat 3 s was shorter than that: both tail replicas took the microbatches released by a step beyond
-        their shares, one step held 64 samples instead of 32, and the tail ended a step short."""
-        travel = 1.0 + 2.0 * (self.record_store_s + self.record_read_s)
-        return min(SHARE_WAIT_MAX_S, max(SHARE_WAIT_S, travel))
 
     async def _step_when_ready(self, others_samples: int, n_others: int) -> None:
         """Announce our sample count while it changes; step once the replicas at our step together hold the
