@@ -170,3 +170,21 @@ def test_state_download_timeouts_scale_with_the_stage_state():
     tail = 8_915_456 * 12
     assert state_page_timeout_s(tail) == pytest.approx(PAGE_BYTES / STATE_MIN_RATE_BYTES_PER_S) == 128.0
     assert default_sync_timeout_s(tail) == pytest.approx(60 + tail / STATE_MIN_RATE_BYTES_PER_S)
+
+
+def test_the_clip_wait_covers_the_slowest_stages_all_reduce():
+    """Stages publish their gradient norms after their rounds: at 20 Mbit/s ``small``'s tail published 40 s after its
+    round began, a flat 10 s wait expired at every step of stages 0 and 1, and they clipped by their own norms."""
+    from agora.config import load_manifest
+    from agora.model import count_parameters
+    from agora.server.averaging.sync import (AVERAGING_MIN_RATE_BYTES_PER_S, CLIP_WAIT_MIN_S, SyncContext,
+                                             default_clip_wait_s)
+
+    tiny = count_parameters(load_manifest("tiny"))["per_stage"]
+    small = count_parameters(load_manifest("small"))["per_stage"]
+    assert default_clip_wait_s(tiny) == CLIP_WAIT_MIN_S == SyncContext.clip_wait_s
+    assert default_clip_wait_s(small) == pytest.approx(max(small) * 8 / AVERAGING_MIN_RATE_BYTES_PER_S)
+    assert 60 < default_clip_wait_s(small) < 80  # the tail's ~8.9M parameters: ~68 s, its averaging timeout
+    assert default_clip_wait_s(small, averaging_timeout_s=30.0) == 30.0  # a node given a timeout: no longer
+    assert default_clip_wait_s(small, averaging_timeout_s=300.0) == default_clip_wait_s(small)
+    assert default_clip_wait_s(tiny, averaging_timeout_s=60.0) == CLIP_WAIT_MIN_S

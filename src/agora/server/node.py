@@ -28,6 +28,7 @@ from hivemind import DHT
 
 from agora.client.router import RouterOptions
 from agora.config import Manifest
+from agora.model import count_parameters
 from agora.net.dht import EXIT_NOT_REACHABLE, JoinError, visible_maddrs
 from agora.net.admission import IncomingGate, IncomingLimits
 from agora.net.members import RunMembers
@@ -38,7 +39,8 @@ from agora.net.records import (ANNOUNCE_PERIOD_S, PeerState, StageRecord, acks_k
 from agora.net.transport import TransferStats
 from agora.sentinel import AUDIT_RATE
 from agora.server.averaging import make_sync
-from agora.server.averaging.sync import ReplicaSync, SyncContext, default_averaging_timeout_s, stage_state_bytes
+from agora.server.averaging.sync import (ReplicaSync, SyncContext, default_averaging_timeout_s, default_clip_wait_s,
+                                         stage_state_bytes)
 from agora.server.checkpoint import load_stage_checkpoint
 from agora.server.state_access import StateAccess
 from agora.server.downstream import Downstream, DownstreamHooks
@@ -270,6 +272,7 @@ class StageNode:
             run_compute=self.run_compute, run_io=self.run_io, announce=self.announce, log_event=self.log_event,
             is_serving=lambda: self.state == PeerState.SERVING, local_bans=self.banned_peers, members=self.members,
             observers=self.observers, state_bytes=stage_state_bytes(self.runtime.stage),
+            clip_wait_s=default_clip_wait_s(count_parameters(self.manifest)["per_stage"], self.opts.averaging_timeout_s),
         )
         return make_sync(ctx)
 
@@ -383,7 +386,8 @@ class StageNode:
         await self.announce()
         self._sync_task = asyncio.create_task(self.sync.run(), name="replica-sync")
         logger.info(f"stage {self.stage_index} peer {self.peer_id[-8:]} serving at step {self.step} (averaging "
-                    f"rounds time out after {self.sync.ctx.averaging_timeout_s:.0f}s)")
+                    f"rounds time out after {self.sync.ctx.averaging_timeout_s:.0f}s, the other stages' gradient norms are "
+                    f"awaited {self.sync.ctx.clip_wait_s:.0f}s)")
         return True
 
     async def _stop_sync(self) -> None:

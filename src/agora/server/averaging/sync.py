@@ -59,6 +59,7 @@ ALLREDUCE_PROBE_MIN_S = 3.0
 # gradients at AVERAGING_MIN_RATE (a 2-replica all-reduce sends and receives about that many bytes per replica).
 AVERAGING_TIMEOUT_MIN_S = 20.0
 AVERAGING_MIN_RATE_BYTES_PER_S = 2**20  # ~8.4 Mbit/s
+CLIP_WAIT_MIN_S = 10.0  # the least a step waits for the other stages' gradient norms (``default_clip_wait_s``)
 # A state download (a joining, moving or repairing replica) shares the source's link with its rounds: pages and the
 # whole download are given time for STATE_MIN_RATE, and never less than the minimums.
 STATE_MIN_RATE_BYTES_PER_S = 2**19  # ~4.2 Mbit/s
@@ -113,6 +114,20 @@ def state_page_timeout_s(state_bytes: int) -> float:
     failed a move into ``small``'s tail at 20 Mbit/s: its first page is 64 MiB, and the source's link also carried
     its all-reduce (docs/bench/convergence/2026-12-03-capped-rounds)."""
     return max(STATE_PAGE_TIMEOUT_MIN_S, min(state_bytes, PAGE_BYTES) / STATE_MIN_RATE_BYTES_PER_S)
+
+
+def default_clip_wait_s(stage_parameters: list[int], averaging_timeout_s: Optional[float] = None) -> float:
+    """How long a step waits for the other stages' gradient norms (``GlobalClip``): a stage publishes its norm after
+    its round, so the norms arrive about as late as the slowest stage's all-reduce (``stage_parameters``: every
+    stage's trainable parameters, from the manifest): the slowest stage's float64 gradients at
+    ``AVERAGING_MIN_RATE``, no longer than the ``averaging_timeout_s`` the node was given, at least
+    ``CLIP_WAIT_MIN_S``. A flat 10 s expired at every step of ``small``'s stages 0 and 1 at 20 Mbit/s (the tail's
+    all-reduce took 40 s): they clipped by their own norms and each step waited the 10 s
+    (docs/bench/convergence/2026-12-03-capped-overlap)."""
+    wait = max(stage_parameters, default=0) * 8 / AVERAGING_MIN_RATE_BYTES_PER_S
+    if averaging_timeout_s is not None:
+        wait = min(wait, averaging_timeout_s)
+    return max(CLIP_WAIT_MIN_S, wait)
 
 
 def stage_state_bytes(stage: torch.nn.Module) -> int:
