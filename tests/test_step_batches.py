@@ -110,36 +110,3 @@ def test_a_partial_batch_is_stepped_only_once_no_trainer_trains():
 
     asyncio.run(scenario())
 
-
-def test_microbatches_admitted_before_any_finished_are_announced():
-    """Right after a step a replica holds admitted microbatches and no finished sample: its tick announces them, so
-    the other replica's admission counts them (announced only with samples, they stayed unseen for seconds)."""
-    from agora.server.averaging.full import FullSync
-
-    announced = []
-
-    async def record():
-        announced.append((sync.ctx.runtime.samples, sync.admitted))
-
-    async def no_replicas():
-        return []
-
-    async def no_bans():
-        return set()
-
-    for tick in (lambda s: FullSync._tick(s), lambda s: ReplicaSync._own_gradient_tick(s, [], [], "")):
-        sync = _sync()
-        sync.ctx.announce = record
-        sync.replicas, sync.banned_replicas = no_replicas, no_bans
-        announced.clear()
-
-        async def scenario():
-            await tick(sync)
-            assert announced == []  # nothing admitted, nothing accumulated: nothing new to say
-            await sync.admit_training(8, 1.0)
-            await tick(sync)
-            assert announced == [(0, 8)]
-            await tick(sync)
-            assert announced == [(0, 8)]  # unchanged counts are not announced again
-
-        asyncio.run(scenario())

@@ -79,11 +79,6 @@ class FullSync(ReplicaSync):
             await self.round(len(same))
             return
         if rt.samples == 0:
-            # Nothing accumulated, but microbatches may be admitted and in flight: the replicas' admission counts
-            # them (``admitted``), so announce them now. Announced only with samples, a step's first microbatches
-            # stayed unseen until one finished (seconds, at a tail): the other replica took its retries beyond its
-            # share and the step held twice the batch (20 Mbit/s ``agora bench convergence``).
-            await self._announce_samples(min_interval_s=0.5)
             return
         behind = [r for r in others if r.state == PeerState.SERVING.value and r.step < rt.step
                   and r.peer_id not in banned and rt.step - self._gave_up_on.get(r.peer_id, -10**9) > 10]

@@ -636,11 +636,6 @@ class ReplicaSync:
             await self.round(0)  # the stage took this step: follow on our own gradients
             return
         if rt.samples == 0:
-            # Nothing accumulated, but microbatches may be admitted and in flight: the replicas' admission counts
-            # them (``admitted``), so announce them now. Announced only with samples, a step's first microbatches
-            # stayed unseen until one finished (seconds, at a tail): the other replica took its retries beyond its
-            # share and the step held twice the batch (20 Mbit/s ``agora bench convergence``).
-            await self._announce_samples(min_interval_s=0.5)
             return
         await self._step_when_ready(sum(r.samples for r in others if r.step == rt.step), n_others=0)
 
