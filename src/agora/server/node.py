@@ -263,9 +263,9 @@ class StageNode:
 
     def _new_sync(self) -> ReplicaSync:
         timeout = self.opts.averaging_timeout_s
-        trainable = [p for p in self.runtime.stage.parameters() if p.requires_grad]
         if timeout is None:  # resolved per stage: a node that moves gets its new stage's
-            timeout = default_averaging_timeout_s(sum(p.numel() for p in trainable))
+            timeout = default_averaging_timeout_s(sum(p.numel() for p in self.runtime.stage.parameters()
+                                                      if p.requires_grad))
         ctx = SyncContext(
             manifest=self.manifest, runtime=self.runtime, dht=self.dht, p2p=self._p2p, peer_id=self.peer_id,
             averaging_timeout_s=timeout, stall_step_s=self.opts.stall_step_s,

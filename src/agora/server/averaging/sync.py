@@ -171,7 +171,7 @@ class SyncContext:
     local_bans: Callable[[], set]
     members: Optional[RunMembers]
     observers: Observers
-    clip_wait_s: float = 10.0  # how long a step waits for the other stages' gradient norms (averaging/clip.py)
+    clip_wait_s: float = CLIP_WAIT_MIN_S  # how long a step waits for the other stages' gradient norms (averaging/clip.py)
     state_bytes: int = 0  # about what a ``get_state`` download of this stage moves (its download timeouts scale with it)
 
     @property
