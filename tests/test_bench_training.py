@@ -3,7 +3,11 @@ tokens, the curvature-driven one reports the steps it held, and the table has a 
 
 import json
 
-from agora.bench.training import TrainingOptions, run
+import pytest
+import torch
+
+from agora.bench.training import TrainingOptions, exact_top_eigenvalue, run
+from agora.optim.curvature import CurvatureTracker
 
 
 def test_the_curvature_section_runs_every_warmup_variant_on_equal_tokens(tmp_path):
@@ -28,3 +32,33 @@ def test_the_curvature_section_runs_every_warmup_variant_on_equal_tokens(tmp_pat
     md = (tmp_path / "result.md").read_text()
     assert "steps held" in md and "error vs 10 more products" in md and md.count(f"| {runs[1]['lr']:.3g} |") == 3
     assert json.loads((tmp_path / "result.json").read_text())["curvature_runs"][3]["warmup"] == "curvature"
+
+
+def test_exact_eigenvalue_is_that_of_the_preconditioned_hessian():
+    """``loss = 0.5 * sum(c_i p_i^2) + p_0 p_1`` has Hessian ``[[c0, 1], [1, c1]]`` (and c2 alone); with v_hat = 4
+    on every coordinate (P = 2) the preconditioned matrix is that / 2."""
+    p = torch.nn.Parameter(torch.ones(3))
+    c = torch.tensor([3.0, 1.0, -2.0])
+    loss = lambda: 0.5 * (c * p * p).sum() + p[0] * p[1]  # noqa: E731
+    tracker = CurvatureTracker([p], hvps=3, eps=0.0)
+    top, bottom = exact_top_eigenvalue(tracker, loss, [torch.full((3,), 4.0 * (1 - 0.95))], 0.95, 1)
+    expected = torch.linalg.eigvalsh(torch.tensor([[3.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, -2.0]],
+                                                  dtype=torch.float64) / 2)
+    assert top == pytest.approx(float(expected[-1])) and bottom == pytest.approx(float(expected[0]))
+
+
+def test_the_tracker_section_scores_every_method_against_dense_eigvalsh(tmp_path):
+    opts = TrainingOptions(preset="tiny", seeds=(0,), sections=("tracker",), tracker_steps=12, curvature_every=4,
+                           val_batches=1)
+    result = run(tmp_path, opts, log=lambda _: None)
+    (r,) = result["tracker_runs"]
+    assert 2000 < r["tracked_parameters"] < 6000
+    assert [x["step"] for x in r["measurements"]] == [4, 8, 12]
+    for x in r["measurements"]:
+        assert x["exact_min"] <= x["exact"]
+        assert x["lanczos"] <= x["exact"] * (1 + 1e-4)  # a Ritz value never exceeds the top eigenvalue
+        assert x["lanczos_error"] >= 0 and x["power_error"] >= 0 and x["lanczos_s"] > 0
+    assert set(r["lanczos"]) == {"median_error", "second_half_max_error", "second_half_median_error",
+                                 "within_1pct_from_step"}
+    md = (tmp_path / "result.md").read_text()
+    assert "Tracker against the exact eigenvalue" in md and md.count("| 0 | 8 |") == 1

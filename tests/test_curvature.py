@@ -1,4 +1,4 @@
-"""Tests for agora.optim.curvature: warm power iteration and the preconditioned-curvature tracker."""
+"""Tests for agora.optim.curvature: warm power iteration, warm Lanczos and the preconditioned-curvature tracker."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from agora.optim.curvature import CurvatureTracker, alarm_threshold, warm_power_iteration
+from agora.optim.curvature import CurvatureTracker, alarm_threshold, warm_lanczos, warm_power_iteration
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -69,6 +69,46 @@ def test_warm_start_tracks_drifting_eigenvalue_cold_start_does_not():
     assert abs(warm.norm().item() - 1.0) < 1e-12
 
 
+def test_warm_lanczos_tracks_the_drifting_eigenvalue_closer_than_power_iteration_from_the_same_products():
+    n = 400
+    g = torch.Generator().manual_seed(1)
+    lanczos, power = _unit(n, g), None
+    lanczos_errors, power_errors = [], []
+    for matvec, exact in _drifting_problems(n):
+        power = lanczos.clone() if power is None else power
+        lam, lanczos = warm_lanczos(matvec, lanczos, 2)
+        lanczos_errors.append(abs(lam - exact) / exact)
+        assert lam <= exact * (1 + 1e-9)  # a Ritz value never exceeds the top eigenvalue
+        lam, power = warm_power_iteration(matvec, power, 2)
+        power_errors.append(abs(lam - exact) / exact)
+    lanczos_median, power_median = statistics.median(lanczos_errors), statistics.median(power_errors)
+    # measured 4.3e-6 vs 9.3e-6: with a clear top (10 over 6) power iteration is good already; the gain grows as the
+    # top clusters (the MLP and micro-transformer measurements)
+    assert lanczos_median < 0.6 * power_median, (lanczos_median, power_median)
+    assert abs(lanczos.norm().item() - 1.0) < 1e-12
+
+
+def test_lanczos_finds_the_top_algebraic_eigenvalue_under_a_dominant_negative_one():
+    """On ``diag(-10, 3, 1, 0.5)`` power iteration converges to -10; three Lanczos products span the space of the
+    start's components enough to give the top positive eigenvalue, and a 4-dimensional space gives it exactly."""
+    a = torch.tensor([-10.0, 3.0, 1.0, 0.5], dtype=torch.float64)
+    u = torch.tensor([0.5, 0.5, 0.5, 0.5], dtype=torch.float64)
+    lam, x = warm_lanczos(lambda v: a * v, u, 4)
+    assert lam == pytest.approx(3.0, rel=1e-9) and abs(abs(x[1].item()) - 1.0) < 1e-6
+    power, _ = warm_power_iteration(lambda v: a * v, u, 4)
+    assert power < 0
+    lam, _ = warm_lanczos(lambda v: a * v, torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64), 3)
+    assert lam == pytest.approx(3.0)  # an exact eigenvector: the space closes after one product, no division by 0
+
+
+def test_lanczos_rejects_zero_iterations_and_survives_zero_operator():
+    with pytest.raises(ValueError):
+        warm_lanczos(lambda x: x, torch.ones(3), 0)
+    u = torch.tensor([0.6, 0.8])
+    lam, v = warm_lanczos(torch.zeros_like, u, 3)
+    assert lam == 0.0 and torch.equal(v, u)
+
+
 def test_power_iteration_rejects_zero_iterations_and_survives_zero_operator():
     with pytest.raises(ValueError):
         warm_power_iteration(lambda x: x, torch.ones(3), 0)
@@ -105,13 +145,14 @@ def _exact_top_eigenvalue(model: nn.Module, x: torch.Tensor, y: torch.Tensor, op
     return torch.linalg.eigvalsh(d[:, None] * hessian * d[None, :])[-1].item()
 
 
-def test_tracker_matches_exact_preconditioned_eigenvalue_during_adamw_training():
+@pytest.mark.parametrize("method", ["lanczos", "power"])
+def test_tracker_matches_exact_preconditioned_eigenvalue_during_adamw_training(method):
     model = _mlp()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-    tracker = CurvatureTracker(params, hvps=3, eps=1e-8, seed=0)
+    tracker = CurvatureTracker(params, hvps=3, eps=1e-8, seed=0, method=method)
 
     def loss_fn() -> torch.Tensor:
         return nn.functional.mse_loss(model(x), y)
@@ -174,11 +215,13 @@ def test_preconditioner_is_bias_corrected_second_moment_and_identity_without_one
         tracker.measure(total, [raw], beta2=beta2, step=step)
 
 
-def test_invalid_hvps_raises():
+def test_invalid_hvps_or_method_raises():
     p, _ = _quadratic([1.0])
     for hvps in (0, 6):
         with pytest.raises(ValueError, match="hvps"):
             CurvatureTracker([p], hvps=hvps)
+    with pytest.raises(ValueError, match="method"):
+        CurvatureTracker([p], method="arnoldi")
 
 
 def test_measure_leaves_grad_untouched_and_handles_unused_params():
@@ -231,10 +274,46 @@ def test_a_dominant_negative_eigenvalue_shifts_later_measurements_to_the_top_pos
     iterates on H + shift * I and reports the largest positive eigenvalue (what the stability bound needs)."""
     diag = torch.tensor([-10.0, 3.0, 1.0, 0.5])
     w = torch.nn.Parameter(torch.tensor([0.3, 0.2, 0.1, 0.4]))
-    tracker = CurvatureTracker([w], hvps=5, seed=0)
+    tracker = CurvatureTracker([w], hvps=5, seed=0, method="power")
     loss = lambda: 0.5 * (diag * w * w).sum()  # noqa: E731
     first = tracker.measure(loss)
     assert first < 0 and tracker.shift >= 10.0
     for _ in range(20):
         value = tracker.measure(loss)
     assert abs(value - 3.0) < 1e-2, value
+
+
+def test_the_lanczos_tracker_reports_the_top_positive_eigenvalue_without_a_shift():
+    diag = torch.tensor([-10.0, 3.0, 1.0, 0.5])
+    w = torch.nn.Parameter(torch.tensor([0.3, 0.2, 0.1, 0.4]))
+    tracker = CurvatureTracker([w], hvps=4, seed=0)
+    loss = lambda: 0.5 * (diag * w * w).sum()  # noqa: E731
+    assert tracker.measure(loss) == pytest.approx(3.0, rel=1e-4) and tracker.shift == 0.0
+
+
+def test_tracker_every_tenth_step_lanczos_beats_power_iteration_against_eigvalsh():
+    """The bench's setting on METHODS' MLP: 3 products every 10 AdamW steps from a 10-steps-stale vector. Once its
+    vector has warmed up (from step 40), Lanczos from the same products is within 1% of the exact value and closer
+    than power iteration at every measurement (measured: 0.25%, 0.33%, 0.08% against 0.65%, 0.97%, 0.38%)."""
+    model = _mlp()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    trackers = {m: CurvatureTracker(params, hvps=3, eps=1e-8, seed=0, method=m) for m in ("lanczos", "power")}
+    loss_fn = lambda: nn.functional.mse_loss(model(x), y)  # noqa: E731
+    errors = {m: [] for m in trackers}
+    for step in range(1, 61):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        optimizer.step()
+        if step % 10:
+            continue
+        moments = [optimizer.state[p]["exp_avg_sq"] for p in params]
+        values = {m: t.measure(loss_fn, moments, beta2=0.95, step=step) for m, t in trackers.items()}
+        if step >= 40:  # the exact value (a dense 4740 x 4740 Hessian) only where the comparison is made
+            exact = _exact_top_eigenvalue(model, x, y, optimizer)
+            for m, value in values.items():
+                errors[m].append(abs(value - exact) / exact)
+    assert len(errors["lanczos"]) == 3 and max(errors["lanczos"]) < 0.01, errors
+    assert all(a < b for a, b in zip(errors["lanczos"], errors["power"])), errors

@@ -349,9 +349,9 @@ def bench_convergence(
     in_flight: int = typer.Option(4, min=2, help="microbatches in flight in the pipelined rows"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; every row runs once per seed"),
     rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, overlap, in_flight, replicas, "
-                                                  "powersgd, sparse, diloco, gossip, all, all_no_overlap, all_capped, "
-                                                  "all_capped_no_overlap, upm, upm_5s, nadam, nadam_lookahead, nadam_no_overlap "
-                                                  "(default: all that apply)"),
+                                                  "powersgd, sparse, diloco, gossip, all, all_no_overlap, all_overlap, "
+                                                  "all_capped, all_capped_no_overlap, all_capped_overlap, upm, upm_5s, "
+                                                  "nadam, nadam_lookahead, nadam_no_overlap (default: all that apply)"),
     link_mbps: Optional[float] = typer.Option(None, help="add the all_capped rows: every link capped at this rate"),
     val_batches: int = typer.Option(4, min=1),
     diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round, the "
@@ -453,24 +453,32 @@ def bench_training(
     seeds: str = typer.Option("0,1", help="comma-separated seeds"),
     optimizers: str = typer.Option("adamw,muon,numuon", help="comma-separated subset of adamw, muon, numuon"),
     numuon_rank: float = typer.Option(0.25, min=0.0, max=1.0, help="NuMuon's rank fraction"),
-    spike_lr: str = typer.Option("10", help="curvature section: comma-separated multiples of the preset's lr"),
+    spike_lr: str = typer.Option("10", help="curvature section: comma-separated multiples of the preset's lr "
+                                 "(empty: only the preset's lr)"),
     curvature_every: int = typer.Option(10, min=1), curvature_hvps: int = typer.Option(3, min=1, max=5),
     warmup_curvature_every: int = typer.Option(2, min=1, help="curvature section: the curvature-driven warm-up "
                                                "row's measurement cadence"),
     curvature_reference: int = typer.Option(0, min=0, max=500, help="curvature section: after the last measurement, "
                                             "this many more products at the same point, for the tracker's error"),
-    sections: str = typer.Option("optimizers,curvature", help="comma-separated subset"),
+    curvature_method: str = typer.Option("lanczos", help="curvature section: the tracker, lanczos or power"),
+    tracker_steps: int = typer.Option(150, min=1, help="tracker section: AdamW steps of the micro model"),
+    sections: str = typer.Option("optimizers,curvature", help="comma-separated subset of optimizers, curvature, "
+                                 "tracker (every tracker method against dense eigvalsh on a micro model)"),
     residual: Optional[str] = typer.Option(None, help="override the preset's residual mode: dense or subspace"),
 ) -> None:
     """AdamW vs Muon vs NuMuon at equal tokens (validation loss, stable rank, loss after rank-25% truncation,
-    rank-4 residual of the pseudo-gradient), and online curvature at a spiking learning rate."""
-    from agora.bench.training import OPTIMIZERS, TrainingOptions, run
+    rank-4 residual of the pseudo-gradient), online curvature at a spiking learning rate, and the curvature tracker
+    against the exact eigenvalue."""
+    from agora.bench.training import OPTIMIZERS, SECTIONS, TrainingOptions, run
+    from agora.optim.curvature import METHODS
 
     _manifest(preset)  # a clear error for a bad preset or manifest path
     try:
         seed_list, chosen, parts = _listed(seeds, int), _listed(optimizers), _listed(sections)
         factors = _listed(spike_lr, float)
-        bad = [x for x in chosen if x not in OPTIMIZERS] + [x for x in parts if x not in ("optimizers", "curvature")]
+        bad = [x for x in chosen if x not in OPTIMIZERS] + [x for x in parts if x not in SECTIONS]
+        if curvature_method not in METHODS:
+            bad.append(f"curvature method {curvature_method}")
         if residual not in (None, "dense", "subspace"):
             bad.append(f"residual {residual}")
         if bad or not seed_list or not chosen or not 0 < numuon_rank:
@@ -482,6 +490,7 @@ def bench_training(
                              numuon_rank=numuon_rank, spike_lr_factors=factors, curvature_every=curvature_every,
                              curvature_hvps=curvature_hvps, curvature_reference_hvps=curvature_reference,
                              warmup_curvature_every=warmup_curvature_every,
+                             curvature_method=curvature_method, tracker_steps=tracker_steps,
                              sections=parts,
                              overrides={"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"}
                              if residual == "dense" else {}), log=console.print)

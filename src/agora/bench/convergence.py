@@ -13,12 +13,15 @@ rows add one source of difference at a time to ``serial``, then all together:
   sparse          ``replicas`` with sparse averaging, a round every ``diloco_every`` steps
   diloco          ``replicas`` with DiLoCo: ``diloco_every`` inner steps per outer Nesterov step (0.7 / 0.9)
   gossip          ``diloco`` with factored gossip instead of the exact average (q = 1)
-  all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run)
+  all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run;
+                  overlap is off by default since 2026-12-04)
   all_no_overlap  ``all`` with overlap off
+  all_overlap     ``all`` with overlap on
   all_capped      ``all`` with every peer's link capped at ``link_mbps`` (only with ``link_mbps``)
   all_capped_no_overlap  ``all_capped`` with overlap off (is the capped gap the staleness of slow rounds?)
+  all_capped_overlap     ``all_capped`` with overlap on
   upm, upm_5s     ``replicas`` with UPM: every boundary's frame rotated every ``upm_every_s`` (30 s), or every 5 s
-  nadam           ``all`` with NAdam (betas 0.99, 0.999: the asynchronous-pipeline recipe) instead of AdamW
+  nadam           ``all_overlap`` with NAdam (betas 0.99, 0.999: the asynchronous-pipeline recipe) instead of AdamW
   nadam_lookahead ``nadam`` with the look-ahead: forwards while a step is pending run one predicted update ahead
   nadam_no_overlap ``nadam`` with overlap off (no forward waits on a pending step: nothing for a look-ahead to do)
 
@@ -42,12 +45,14 @@ from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
 ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "sparse", "diloco", "gossip", "all", "all_no_overlap",
-        "all_capped", "all_capped_no_overlap", "upm", "upm_5s", "nadam", "nadam_lookahead", "nadam_no_overlap")
+        "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam",
+        "nadam_lookahead", "nadam_no_overlap")
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
 # The targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
-TARGETS = {"serial": 1.001, "all": 1.02, "all_no_overlap": 1.02, "powersgd": 1.03, "sparse": 1.03}
+TARGETS = {"serial": 1.001, "all": 1.02, "all_no_overlap": 1.02, "all_overlap": 1.02, "powersgd": 1.03,
+           "sparse": 1.03}
 SWARM_TIMEOUT_S = 7200
 
 
@@ -101,10 +106,11 @@ class ConvergenceOptions:
             "gossip": row(r, 1, False, f"gossip,every={self.diloco_every},q=1"),
             "all": row(r, f, None),
             "all_no_overlap": row(r, f, False),
+            "all_overlap": row(r, f, True),
             "upm": row(r, 1, False, upm=self.upm_every_s),
             "upm_5s": row(r, 1, False, upm=5.0),
-            "nadam": row(r, f, None),
-            "nadam_lookahead": row(r, f, None),
+            "nadam": row(r, f, True),  # the look-ahead acts only on forwards that overlap a pending step
+            "nadam_lookahead": row(r, f, True),
             "nadam_no_overlap": row(r, f, False),
         }
         for name, settings in OPTIMIZERS.items():
@@ -112,6 +118,7 @@ class ConvergenceOptions:
         if self.link_mbps is not None:
             shapes["all_capped"] = row(r, f, None, mbps=self.link_mbps)
             shapes["all_capped_no_overlap"] = row(r, f, False, mbps=self.link_mbps)
+            shapes["all_capped_overlap"] = row(r, f, True, mbps=self.link_mbps)
         if self.rows is None:
             return shapes
         unknown = [name for name in self.rows if name not in shapes]

@@ -6,7 +6,8 @@ Every run is ``train-local`` on the same manifest, data order and steps, so toke
 the stable rank ``||W||_F^2 / ||W||_2^2`` of every block matrix (mean); the validation loss after truncating every
 block matrix to a quarter of its rank; and the relative residual of the best rank-4 approximation of each block
 matrix's pseudo-gradient over the last ``pseudo_steps`` steps (what PowerSGD's error feedback would carry: the
-best rank-4 fit is PowerSGD's fixed point, so this is a lower bound on its residual).
+best rank-4 fit is PowerSGD's fixed point, so this is a lower bound on its residual). The tracker section checks
+the curvature tracker against the exact eigenvalue (dense ``eigvalsh``) on a micro model small enough for it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ from agora.config import Manifest, load_manifest
 from agora.data import build_datasets
 from agora.lab.train_local import evaluate, train_model
 from agora.optim import is_block_matrix
+from agora.optim.curvature import METHODS, CurvatureTracker, tracked_parameters
 
 OPTIMIZERS = ("adamw", "muon", "numuon")
+SECTIONS = ("optimizers", "curvature", "tracker")
+# The tracker section's model: the preset's architecture and data at a width whose whole preconditioned Hessian
+# (~3,300 x 3,300 over the tracked parameters) fits a dense eigvalsh at every measurement.
+MICRO_MODEL = {"vocab_size": 272, "d_model": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 16,
+               "seq_len": 32}
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ class TrainingOptions:
     # (mode steps; mode curvature runs the same schedule on a clock held while lr x lambda > 0.5 x the threshold,
     # measured every ``warmup_curvature_every`` steps: a warm-up of a few dozen steps needs more than every 10)
     warmup_curvature_every: int = 2
+    curvature_method: str = "lanczos"  # the curvature section's tracker (the tracker section runs every method)
+    tracker_steps: int = 150  # tracker section: AdamW steps of the micro model
     sections: tuple[str, ...] = ("optimizers", "curvature")
 
 
@@ -141,7 +150,8 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
         m = m.with_overrides(**{"training.warmup_depth": warm})
     summary, _ = train_model(m, opts.steps, val_batches=opts.val_batches, curvature_every=opts.curvature_every,
                              curvature_hvps=opts.curvature_hvps, curvature_sequences=opts.curvature_sequences,
-                             curvature_reference_hvps=opts.curvature_reference_hvps)
+                             curvature_reference_hvps=opts.curvature_reference_hvps,
+                             curvature_method=opts.curvature_method)
     c = summary["curvature"]
     train_s = summary["wall_s"] - c["seconds"]
     depth = [r["depth"] for r in summary["history"]]
@@ -152,6 +162,88 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
             "depth": depth, "all_blocks_at_step": full,
             "held_steps": (summary["warmup"] or {}).get("held_steps", 0), "reference": c.get("reference"),
             "tracker_s": c["seconds"], "train_s": train_s, "tracker_share": c["seconds"] / max(train_s, 1e-9)}
+
+
+def micro_manifest(base: Manifest, seed: int, opts: TrainingOptions) -> Manifest:
+    """``base`` shrunk to ``MICRO_MODEL`` in two one-block stages (subspace k = 4 when ``base`` is subspace)."""
+    changes = {f"model.{k}": v for k, v in MICRO_MODEL.items()}
+    if opts.overrides.get("residual.mode", base.residual.mode) == "subspace":
+        changes["residual.k"] = 4
+    return base.with_overrides(**{**changes, "stages": [1, 1], "seed": seed, "optimizer.name": "adamw",
+                                  "optimizer.total_steps": opts.tracker_steps, **opts.overrides})
+
+
+def exact_top_eigenvalue(tracker: CurvatureTracker, loss_fn: Callable[[], torch.Tensor],
+                         second_moments: list, beta2: float, step: int) -> tuple[float, float]:
+    """(largest, smallest) eigenvalue of the dense ``P^-1/2 H P^-1/2`` over ``tracker``'s parameters, in float64:
+    one Hessian row per unit vector (batched double backward), symmetrised, then ``eigvalsh``."""
+    params = tracker.params
+    scale = tracker.inverse_sqrt_preconditioner(second_moments, beta2, step).double()
+    sizes, n = [p.numel() for p in params], sum(p.numel() for p in params)
+    with torch.enable_grad():
+        grads = torch.autograd.grad(loss_fn().reshape(()), params, create_graph=True)
+        rows = []
+        for lo in range(0, n, 256):
+            eye = torch.zeros(min(256, n - lo), n)
+            eye[torch.arange(eye.shape[0]), torch.arange(lo, lo + eye.shape[0])] = 1.0
+            chunks = [c.reshape(eye.shape[0], *p.shape) for c, p in zip(eye.split(sizes, dim=1), params)]
+            hv = torch.autograd.grad(grads, params, grad_outputs=chunks, retain_graph=True, is_grads_batched=True)
+            rows.append(torch.cat([h.reshape(eye.shape[0], -1) for h in hv], dim=1).double())
+    hessian = torch.cat(rows)
+    hessian = scale[:, None] * (hessian + hessian.T) / 2 * scale[None, :]
+    values = torch.linalg.eigvalsh(hessian)
+    return float(values[-1]), float(values[0])
+
+
+def run_tracker(base: Manifest, seed: int, opts: TrainingOptions) -> dict:
+    """Every tracker method against the exact eigenvalue during one AdamW run of the micro model: after every
+    ``curvature_every``-th step each method measures with ``curvature_hvps`` products from its own warm vector (the
+    same start for all), on the same fixed sequences and second moments, then the dense Hessian gives the truth."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = micro_manifest(base, seed, opts)
+    train, _, _ = build_datasets(m)
+    sample = next(train.batches(m.batch.microbatch_size, seed=m.seed + 1))[:opts.curvature_sequences]
+    beta2 = m.optimizer.betas[1]
+    state: dict = {}
+    measurements: list[dict] = []
+
+    def after_step(model, opt, step: int) -> None:
+        if (step + 1) % opts.curvature_every:
+            return
+        if not state:
+            params = tracked_parameters(list(model.named_parameters()))
+            state.update({k: CurvatureTracker(params, hvps=opts.curvature_hvps, seed=m.seed, method=k)
+                          for k in METHODS})
+        params = next(iter(state.values())).params
+        moments = [opt.state.get(p, {}).get("exp_avg_sq") for p in params]
+        taken = int(opt.state[params[0]]["step"])
+        loss = lambda: model.loss(sample[:, :-1], sample[:, 1:])  # noqa: E731
+        row: dict = {"step": step + 1}
+        with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
+            for k, tracker in state.items():
+                row[k] = tracker.measure(loss, moments, beta2, taken)
+                row[f"{k}_s"] = tracker.last_seconds
+            row["exact"], row["exact_min"] = exact_top_eigenvalue(tracker, loss, moments, beta2, taken)
+        for k in state:
+            row[f"{k}_error"] = abs(row[k] - row["exact"]) / abs(row["exact"])
+        measurements.append(row)
+
+    summary, _ = train_model(m, opts.tracker_steps, val_batches=1, after_step=after_step)
+    n = sum(p.numel() for p in next(iter(state.values())).params) if state else 0
+    out = {"seed": seed, "steps": opts.tracker_steps, "tracked_parameters": n, "measurements": measurements,
+           "val_loss": summary["val_loss"], "step_s": summary["wall_s"] / opts.tracker_steps}
+    second_half = [r for r in measurements if r["step"] > opts.tracker_steps // 2]
+    for k in METHODS:
+        errors = [r[f"{k}_error"] for r in measurements]
+        late = [r[f"{k}_error"] for r in second_half]
+        # the first measurement from which every later one is within 1%
+        within = next((measurements[i]["step"] for i in range(len(errors)) if max(errors[i:]) < 0.01), None)
+        out[k] = {"median_error": statistics.median(errors) if errors else None,
+                  "second_half_max_error": max(late) if late else None,
+                  "second_half_median_error": statistics.median(late) if late else None,
+                  "within_1pct_from_step": within}
+    return out
 
 
 def _median_spread(values: list[float]) -> dict:
@@ -215,6 +307,11 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                                 _fmt(_median_spread([100 * r["tracker_share"] for r in mine]), ".1f")]
                                + ([", ".join(f"{r['reference']['relative_error']:.1e}" if r["reference"] else "-"
                                              for r in mine)] if opts.curvature_reference_hvps else []))
+    tracker_runs = [run_tracker(base, seed, opts) for seed in (opts.seeds if "tracker" in opts.sections else ())]
+    for r in tracker_runs:
+        log(f"tracker seed {r['seed']}: " + ", ".join(
+            f"{k} median error {r[k]['median_error']:.2e}, within 1% from step {r[k]['within_1pct_from_step']}"
+            for k in METHODS))
     mode = opts.overrides.get("residual.mode", base.residual.mode)
     md = (f"`{opts.preset}` ({mode} residual), {opts.steps} steps ({tokens:,} tokens, equal for every row), seeds "
           f"{list(opts.seeds)}; median (min-max). NuMuon rank fraction {opts.numuon_rank}; truncation keeps "
@@ -224,7 +321,7 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                             "loss increase after truncation",
                             "rank-4 residual", "train s"], table)) if table else ""
     if curvature_table:
-        md += (f"\n\nCurvature (AdamW, whole model, {opts.curvature_hvps} warm-started HVPs every "
+        md += (f"\n\nCurvature (AdamW, whole model, {opts.curvature_hvps} warm-started HVPs ({opts.curvature_method}) every "
                f"{opts.curvature_every} steps on {opts.curvature_sequences} fixed training sequences; spikes: steps whose training loss rose >10% "
                f"above the lowest of the previous 5; totals over seeds {list(opts.seeds)}):\n\n"
                + markdown_table(["lr", "architecture warm-up", "val loss", "spikes", "alarms", "max lr x lambda",
@@ -232,8 +329,24 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                                + ([f"last estimate's error vs {opts.curvature_reference_hvps} more products"]
                                   if opts.curvature_reference_hvps else []),
                                 curvature_table))
+    if tracker_runs:
+        md += (f"\n\nTracker against the exact eigenvalue (`{opts.preset}`'s architecture and data shrunk to "
+               f"{MICRO_MODEL}, 2 stages of 1 block, {tracker_runs[0]['tracked_parameters']:,} tracked parameters; "
+               f"AdamW {opts.tracker_steps} steps; {opts.curvature_hvps} products every {opts.curvature_every} steps "
+               f"on {opts.curvature_sequences} fixed sequences, each method from its own warm vector; exact: dense "
+               f"`eigvalsh` of the preconditioned Hessian; relative error of the top eigenvalue):\n\n"
+               + markdown_table(["seed", "method", "median error", f"max error, steps > {opts.tracker_steps // 2}",
+                                 f"median error, steps > {opts.tracker_steps // 2}", "within 1% from step"],
+                                [[r["seed"], k, f"{r[k]['median_error']:.2e}", f"{r[k]['second_half_max_error']:.2e}",
+                                  f"{r[k]['second_half_median_error']:.2e}", r[k]["within_1pct_from_step"] or "never"]
+                                 for r in tracker_runs for k in METHODS])
+               + "\n\nPer measurement (step: exact, then each method's estimate and error):\n\n"
+               + markdown_table(["seed", "step", "exact (min eigenvalue)"] + list(METHODS),
+                                [[r["seed"], x["step"], f"{x['exact']:.4g} ({x['exact_min']:.3g})"]
+                                 + [f"{x[k]:.4g} ({x[k + '_error']:.1e})" for k in METHODS]
+                                 for r in tracker_runs for x in r["measurements"]]))
     result = {"options": {**asdict(opts), "seeds": list(opts.seeds), "optimizers": list(opts.optimizers)},
-              "rows": rows, "runs": runs, "curvature_runs": curvature_runs}
+              "rows": rows, "runs": runs, "curvature_runs": curvature_runs, "tracker_runs": tracker_runs}
     write_result(out, "training", result, md)
     log(md)
     return result

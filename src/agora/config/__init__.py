@@ -128,11 +128,14 @@ class BatchConfig(_Strict):
     microbatch_size: int = Field(default=8, gt=0, le=MAX_BATCH, description="sequences per microbatch")
     target_batch_size: int = Field(default=32, gt=0, le=MAX_BATCH,
                                    description="sequences per optimizer step, swarm-wide")
+    # Off by default since 2026-12-04: at 50 steps of `small` (3 x 2, 4 in flight) the overlap left the swarm 8-11%
+    # above centralized loss at equal tokens, and without it 1.0% (docs/AVERAGING.md, "Convergence parity").
     overlap_rounds: bool = Field(
-        default=True,
-        description="a stage takes the next step's microbatches while it takes a step (its averaging round "
-                    "overlaps compute; their forward sees weights one step old). False: they wait until the step "
-                    "is applied, which makes a swarm compute what centralized training computes")
+        default=False,
+        description="True: a stage takes the next step's microbatches while it takes a step (its averaging round "
+                    "overlaps compute; their forward sees weights one step old), which learns less per token. "
+                    "False: they wait until the step is applied, which makes a swarm compute what centralized "
+                    "training computes")
 
     @model_validator(mode="after")
     def _divides(self) -> "BatchConfig":

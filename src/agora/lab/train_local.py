@@ -62,6 +62,7 @@ def train_model(
     curvature_hvps: int = 3,
     curvature_sequences: int = 2,
     curvature_reference_hvps: int = 0,
+    curvature_method: str = "lanczos",
 ) -> tuple[dict, PipelineModel]:
     """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences: (summary, trained model); the
     summary is also written to ``out_dir``.
@@ -73,8 +74,9 @@ def train_model(
 
     ``curvature_every``: measure the whole model's top preconditioned Hessian eigenvalue after every N-th step
     (``ModelCurvature``; a curvature-driven warm-up measures at its manifest's cadence whatever this says);
-    ``curvature_reference_hvps``: after the last step's measurement, continue its power iteration that many more
-    products at the same point, for the tracker's error against a (nearly) converged value."""
+    ``curvature_reference_hvps``: after the last step's measurement, continue from its vector with that many more
+    products at the same point, for the tracker's error against a (nearly) converged value; ``curvature_method``:
+    the tracker's (``CurvatureTracker``)."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
@@ -96,7 +98,8 @@ def train_model(
     if every:
         sample = next(train.batches(mb, seed=manifest.seed + 1))[:curvature_sequences]  # its own stream
         curvature = ModelCurvature(manifest, model, sample, every, curvature_hvps,
-                                   reference=(steps, curvature_reference_hvps) if curvature_reference_hvps else None)
+                                   reference=(steps, curvature_reference_hvps) if curvature_reference_hvps else None,
+                                   method=curvature_method)
     clock, held = 0, 0  # the architecture warm-up's clock (agora.model.active_depth) and the steps it was held
 
     history: list[dict] = []
@@ -137,13 +140,13 @@ class ModelCurvature:
     every ``every``-th optimizer step, on fixed training sequences, with the optimizer's own second moments."""
 
     def __init__(self, manifest: Manifest, model: PipelineModel, sample: torch.Tensor, every: int, hvps: int,
-                 reference: Optional[tuple[int, int]] = None):
+                 reference: Optional[tuple[int, int]] = None, method: str = "lanczos"):
         self.manifest, self.model, self.sample, self.every = manifest, model, sample, every
         self.reference = reference  # (step, products): a converged value to compare the tracker's with
         self.reference_value: Optional[float] = None
         self.threshold = alarm_threshold(manifest.optimizer.betas[0])
         self.params = tracked_parameters(list(model.named_parameters()))
-        self.tracker = CurvatureTracker(self.params, hvps=hvps, seed=manifest.seed)
+        self.tracker = CurvatureTracker(self.params, hvps=hvps, seed=manifest.seed, method=method)
         self.values: list[dict] = []  # {"step", "lambda", "lr_x_lambda"} per measurement
         self.by_step: dict[int, float] = {}  # step -> lr x lambda
         self.seconds = 0.0
@@ -163,9 +166,10 @@ class ModelCurvature:
         with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
             value = self.tracker.measure(loss, moments, beta2, taken)
             if self.reference is not None and step == self.reference[0]:
-                ref = CurvatureTracker(self.params, hvps=5, seed=self.manifest.seed)  # (not counted as cost)
+                # restarted Lanczos from the tracker's vector: its value only grows towards lambda_max, so the
+                # error against it is a lower bound on the true error (not counted as cost)
+                ref = CurvatureTracker(self.params, hvps=5, seed=self.manifest.seed)
                 ref.load_state(self.tracker.state())
-                ref.shift = self.tracker.shift
                 for _ in range(max(1, self.reference[1] // 5)):
                     self.reference_value = ref.measure(loss, moments, beta2, taken)
         self.seconds += self.tracker.last_seconds
@@ -180,7 +184,7 @@ class ModelCurvature:
         return warmup_holds(value, self.manifest.training.warmup_depth.hold_above, self.manifest.optimizer.betas[0])
 
     def summary(self) -> dict:
-        out = {"every": self.every, "hvps": self.tracker.hvps, "sequences": int(self.sample.shape[0]),
+        out = {"every": self.every, "hvps": self.tracker.hvps, "method": self.tracker.method, "sequences": int(self.sample.shape[0]),
                "values": self.values, "alarms": self.alarms, "threshold": self.threshold, "seconds": self.seconds}
         if self.reference_value is not None:
             last = self.values[-1]["lambda"]

@@ -6,7 +6,7 @@ measurement's step in the DHT. A step reads the measurement ``WARMUP_LAG_STEPS``
 (``agora.model.warmup_measurement``): by then every replica has published its own, so every reader sees the same
 records and takes the same decision. The decision: hold the clock when the largest stage's value (median over its
 replicas) is above ``hold_above`` x the stability threshold in magnitude (a negative value: a negative eigenvalue
-dominated the power iteration, and the curvature is no smaller for it). No record at all (no stage measured): the clock
+dominated the measurement, and the curvature is no smaller for it). No record at all (no stage measured): the clock
 advances, as in mode ``steps``. A replica that decides otherwise (a record arrived late) ends up with another depth
 than its partners; its parameters then differ, and the fingerprint check downloads a partner's state, clock
 included. Why a clock and not a depth: docs/OPTIMIZER.md ("Architecture warm-up").
