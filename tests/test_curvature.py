@@ -101,19 +101,12 @@ def test_lanczos_finds_the_top_algebraic_eigenvalue_under_a_dominant_negative_on
     assert lam == pytest.approx(3.0)  # an exact eigenvector: the space closes after one product, no division by 0
 
 
-def test_lanczos_rejects_zero_iterations_and_survives_zero_operator():
+@pytest.mark.parametrize("iterate", [warm_lanczos, warm_power_iteration])
+def test_iterations_reject_zero_products_and_survive_a_zero_operator(iterate):
     with pytest.raises(ValueError):
-        warm_lanczos(lambda x: x, torch.ones(3), 0)
+        iterate(lambda x: x, torch.ones(3), 0)
     u = torch.tensor([0.6, 0.8])
-    lam, v = warm_lanczos(torch.zeros_like, u, 3)
-    assert lam == 0.0 and torch.equal(v, u)
-
-
-def test_power_iteration_rejects_zero_iterations_and_survives_zero_operator():
-    with pytest.raises(ValueError):
-        warm_power_iteration(lambda x: x, torch.ones(3), 0)
-    u = torch.tensor([0.6, 0.8])
-    lam, v = warm_power_iteration(torch.zeros_like, u, 2)
+    lam, v = iterate(torch.zeros_like, u, 3)
     assert lam == 0.0 and torch.equal(v, u)
 
 
