@@ -205,32 +205,32 @@ def run_tracker(base: Manifest, seed: int, opts: TrainingOptions) -> dict:
     train, _, _ = build_datasets(m)
     sample = next(train.batches(m.batch.microbatch_size, seed=m.seed + 1))[:opts.curvature_sequences]
     beta2 = m.optimizer.betas[1]
-    state: dict = {}
+    trackers: dict[str, CurvatureTracker] = {}  # made at the first measurement, on the trained model's parameters
     measurements: list[dict] = []
 
     def after_step(model, opt, step: int) -> None:
         if (step + 1) % opts.curvature_every:
             return
-        if not state:
+        if not trackers:
             params = tracked_parameters(list(model.named_parameters()))
-            state.update({k: CurvatureTracker(params, hvps=opts.curvature_hvps, seed=m.seed, method=k)
-                          for k in METHODS})
-        params = next(iter(state.values())).params
-        moments = [opt.state.get(p, {}).get("exp_avg_sq") for p in params]
-        taken = int(opt.state[params[0]]["step"])
+            trackers.update({k: CurvatureTracker(params, hvps=opts.curvature_hvps, seed=m.seed, method=k)
+                             for k in METHODS})
+        reference = trackers[METHODS[0]]
+        moments = [opt.state.get(p, {}).get("exp_avg_sq") for p in reference.params]
+        taken = int(opt.state[reference.params[0]]["step"])
         loss = lambda: model.loss(sample[:, :-1], sample[:, 1:])  # noqa: E731
         row: dict = {"step": step + 1}
         with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
-            for k, tracker in state.items():
+            for k, tracker in trackers.items():
                 row[k] = tracker.measure(loss, moments, beta2, taken)
                 row[f"{k}_s"] = tracker.last_seconds
-            row["exact"], row["exact_min"] = exact_top_eigenvalue(tracker, loss, moments, beta2, taken)
-        for k in state:
+            row["exact"], row["exact_min"] = exact_top_eigenvalue(reference, loss, moments, beta2, taken)
+        for k in trackers:
             row[f"{k}_error"] = abs(row[k] - row["exact"]) / abs(row["exact"])
         measurements.append(row)
 
     summary, _ = train_model(m, opts.tracker_steps, val_batches=1, after_step=after_step)
-    n = sum(p.numel() for p in next(iter(state.values())).params) if state else 0
+    n = sum(p.numel() for p in trackers[METHODS[0]].params) if trackers else 0
     out = {"seed": seed, "steps": opts.tracker_steps, "tracked_parameters": n, "measurements": measurements,
            "val_loss": summary["val_loss"], "step_s": summary["wall_s"] / opts.tracker_steps}
     second_half = [r for r in measurements if r["step"] > opts.tracker_steps // 2]
