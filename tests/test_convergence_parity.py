@@ -8,6 +8,7 @@ stage split each target batch and average it: equal up to the order of float sum
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import torch
@@ -19,7 +20,7 @@ from agora.lab.train_local import train_local
 from agora.net.dht import make_dht
 from agora.server.averaging.clip import GlobalClip, clip_scale, squared_norm
 from agora.server.node import NodeOptions
-from swarm_util import local_swarm, wait_until
+from swarm_util import local_swarm, random_batches, wait_until
 
 MAN = load_manifest("tiny")
 
@@ -121,3 +122,42 @@ def test_replicas_split_a_target_batch_into_shares_that_add_up_to_it():
         shares = batch_shares(96, 8, peers[k:] + peers[:k])
         assert shares == batch_shares(96, 8, peers) and sum(shares.values()) == 96
         assert all(v >= 8 for v in shares.values())
+
+
+def test_a_stage_that_lost_part_of_a_batch_with_a_leaving_replica_realigns_instead_of_stalling_every_step():
+    """A replica that leaves (or moves, or dies) takes its accumulated share of the batch with it; the other stages
+    counted those samples. Waiting for them would deadlock until the clip wait at every step from then on (measured:
+    ~68 s per step of ``small``). The stage that lost them steps once on its partial batch and is back in step."""
+    man = MAN.with_overrides(**{"batch.microbatch_size": 4})
+    target = man.batch.target_batch_size
+    batches = random_batches(man.model.vocab_size, man.model.seq_len, 40, b=man.batch.microbatch_size)
+
+    async def main():
+        async with local_swarm(man, [0, 1, 1], NodeOptions(stall_step_s=1e9)) as (boot, peers, nodes):
+            head, replicas = nodes[0], nodes[1:]
+            trainer = Trainer(man, boot, shard=None)
+            await trainer.start()
+            await wait_until(lambda: len(trainer.swarm[1]) == 2, 30, "both tail replicas to announce")
+            sent = 0
+            while not any(r.runtime.samples for r in replicas):  # until a tail replica holds part of the batch
+                assert await trainer.send(batches[sent]) is not None
+                sent += 1
+            assert head.runtime.samples == sent * man.batch.microbatch_size < target
+            leaver = next(r for r in replicas if r.runtime.samples)
+            stayer = next(r for r in replicas if r is not leaver)
+            lost = leaver.runtime.samples
+            await leaver.stop()  # drains what is in flight; the accumulated gradient leaves with it
+            t0 = time.monotonic()
+            for batch in batches[sent:sent + 3 * target // man.batch.microbatch_size + 1]:
+                assert await trainer.send(batch) is not None
+                sent += 1
+            steps = sent * man.batch.microbatch_size // target
+            await wait_until(lambda: head.step == stayer.step == steps, 60, f"both stages to take {steps} steps")
+            trainer.close()
+            return (time.monotonic() - t0, lost, [(n.sync.clipper.fallbacks, n.sync.realigned_steps)
+                                                  for n in (head, stayer)])
+
+    seconds, lost, counts = asyncio.run(main())
+    assert lost > 0
+    # No step waited out the clip wait (>= 10 s each): the tail stepped once on its partial batch.
+    assert counts == [(0, 0), (0, 1)], (counts, seconds)

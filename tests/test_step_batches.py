@@ -2,6 +2,7 @@
 than the target batch (``ReplicaSync.admit_training``), and steps on a partial batch only once no trainer trains."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -110,3 +111,61 @@ def test_a_partial_batch_is_stepped_only_once_no_trainer_trains():
 
     asyncio.run(scenario())
 
+
+
+def test_a_partial_batch_is_stepped_once_the_other_stages_took_the_step_and_nothing_is_in_flight():
+    """The rest of the batch left with a replica (``ReplicaSync._left_behind``): once every other stage published
+    its gradient norm of our step and no microbatch is in flight here or at a replica, waiting is a deadlock."""
+    from agora.net.dht import make_dht
+    from agora.net.records import announce
+    from agora.server.averaging.clip import gradnorm_key
+
+    rounds = []
+
+    class Recording(ReplicaSync):
+        async def round(self, n_others: int, stalled: bool = False) -> None:
+            rounds.append((n_others, stalled))
+
+    manifest = load_manifest("tiny")
+    rt = StageRuntime(manifest, 1, Counters(), Observers())
+    dht = make_dht(manifest=manifest)
+    try:
+        async def run_io(fn, *args):
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+        async def nothing():
+            pass
+
+        ctx = SyncContext(manifest=manifest, runtime=rt, dht=dht, p2p=None, peer_id=str(dht.peer_id),
+                          averaging_timeout_s=1.0, stall_step_s=1e9, run_compute=None, run_io=run_io,
+                          announce=nothing, log_event=lambda *a, **k: None, is_serving=lambda: True,
+                          local_bans=set, members=None, observers=Observers())
+        sync = Recording(ctx)
+
+        async def look(others_samples=4, others_admitted=0):
+            sync._left_behind_read_at = 0.0  # every look may read the DHT
+            await sync._step_when_ready(others_samples, n_others=1, others_admitted=others_admitted)
+
+        async def scenario():
+            rt.samples = 4
+            rt.last_sample_time -= 60
+            await look()
+            assert rounds == []  # stage 0 has not published step 0's norm: it is still collecting (or slow)
+            await run_io(announce, dht, gradnorm_key(manifest.run_id, rt.step), "QmHead",
+                         {"stage": 0, "sq_norm": 1.0, "manifest_hash": manifest.hash}, 60.0)
+            await sync.admit_training(4, 1.0)
+            await look()
+            assert rounds == []  # a microbatch is in flight here: its samples are still coming
+            sync.release(4)
+            await look(others_admitted=4)
+            assert rounds == []  # ... or at the other replica
+            rt.last_sample_time = time.monotonic()
+            await look()
+            assert rounds == []  # a sample just arrived: more may follow
+            rt.last_sample_time -= 60
+            await look()
+            assert rounds == [(1, False)] and sync.realigned_steps == 1  # 8 of 16 samples, and nothing can come
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        dht.shutdown()

@@ -296,6 +296,12 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "resyncs": sum(s.resyncs for s in syncs),
         "share_redirects": sum(s.share_redirects for s in syncs),
         "share_overflows": sum(s.share_overflows for s in syncs),
+        # global-norm clipping (server/averaging/clip.py): steps clipped by the norm of every stage, steps that gave
+        # up waiting for another stage's norm and clipped by their own, and partial steps taken because the rest
+        # of a batch left with a replica (``ReplicaSync._left_behind``)
+        "clip_global_steps": sum(s.clipper.global_steps for s in syncs),
+        "clip_fallbacks": sum(s.clipper.fallbacks for s in syncs),
+        "realigned_steps": sum(s.realigned_steps for s in syncs),
         "duplicate_microbatches": node.handler.exactly_once.duplicates,
         # Training requests dropped before they committed: their callers had gone (a hedge won elsewhere) or this
         # process was frozen while they were in flight (server/freeze.py); and the freezes themselves.

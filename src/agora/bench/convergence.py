@@ -209,6 +209,10 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
             "steps_per_stage": s["steps_per_stage"], "settled": s["settled"], "wall_s": s["wall_s"],
             "rounds_ok": s["rounds_ok"], "rounds_failed": s["rounds_failed"],
             "share_redirects": sum(int(n.get("share_redirects") or 0) for n in nodes),
+            # steps that waited out the clip wait for another stage's gradient norm, and partial steps that
+            # realigned a stage that lost part of a batch with a replica that moved or died
+            "clip_fallbacks": sum(int(n.get("clip_fallbacks") or 0) for n in nodes),
+            "realigned_steps": sum(int(n.get("realigned_steps") or 0) for n in nodes),
             # UPM rows: rotations applied on the first boundary (the head's output frame epoch, max over replicas)
             "rotations": max([int((n.get("upm") or {}).get("epoch_out") or 0) for n in nodes
                               if n.get("stage") == 0] or [0]),

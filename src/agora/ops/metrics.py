@@ -183,6 +183,15 @@ class NodeCollector(Collector):
             rounds.add_metric(["local"], sync.local_steps)
             yield rounds
             yield CounterMetricFamily("agora_state_resyncs", "State downloads from replicas.", value=sync.resyncs)
+            clipping = CounterMetricFamily("agora_clip_steps", "Steps by how their gradient was clipped (global: by "
+                                           "every stage's norm; fallback: another stage's norm did not arrive "
+                                           "within the clip wait, clipped by our own).", labels=["how"])
+            clipping.add_metric(["global"], sync.clipper.global_steps)
+            clipping.add_metric(["fallback"], sync.clipper.fallbacks)
+            yield clipping
+            yield CounterMetricFamily("agora_realigned_steps", "Partial steps taken because the rest of the batch "
+                                      "left with a replica that moved or died (the other stages had stepped).",
+                                      value=sync.realigned_steps)
             if sync.consensus_distance is not None:
                 yield GaugeMetricFamily("agora_consensus_distance", "Relative spread of the stage replicas' "
                                         "parameters at one step, from seeded samples (0: identical).",

@@ -90,6 +90,14 @@ class GlobalClip:
                     return self._fallback(step, f"stage(s) {empty} have no serving peer")
             await asyncio.sleep(POLL_S)
 
+    async def others_reported(self, step: int) -> bool:
+        """Whether every other stage has published its gradient norm of ``step``, i.e. has collected that step's
+        whole batch and averaged it (``ReplicaSync._left_behind`` uses it to tell lost samples from slow ones)."""
+        if self.n_stages == 1:
+            return False
+        norms = await self._read(gradnorm_key(self.ctx.manifest.run_id, step))
+        return set(range(self.n_stages)) - {self.ctx.stage_index} <= set(norms)
+
     def _fallback(self, step: int, why: str) -> None:
         self.fallbacks += 1
         logger.warning(f"stage {self.ctx.stage_index}: step {step} clipped by this stage's own norm: {why}")

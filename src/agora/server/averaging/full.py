@@ -84,7 +84,8 @@ class FullSync(ReplicaSync):
                   and r.peer_id not in banned and rt.step - self._gave_up_on.get(r.peer_id, -10**9) > 10]
         if behind and self._waiting_for(behind, rt.step):
             return
-        await self._step_when_ready(sum(r.samples for r in same), n_others=len(same))
+        await self._step_when_ready(sum(r.samples for r in same), n_others=len(same),
+                                    others_admitted=sum(r.admitted for r in same))
 
     def _waiting_for(self, behind: list, step: int) -> bool:
         """Whether to hold our step for replicas behind us, which are downloading our state (or finishing the

@@ -59,6 +59,9 @@ ALLREDUCE_PROBE_MIN_S = 3.0
 # gradients at AVERAGING_MIN_RATE (a 2-replica all-reduce sends and receives about that many bytes per replica).
 AVERAGING_TIMEOUT_MIN_S = 20.0
 AVERAGING_MIN_RATE_BYTES_PER_S = 2**20  # ~8.4 Mbit/s
+# A stage holding part of its batch, idle (nothing admitted here or at its replicas) for this long, checks whether the
+# other stages already took the step (``_left_behind``); also the least time between two such checks.
+LEFT_BEHIND_QUIET_S = 2.0
 CLIP_WAIT_MIN_S = 10.0  # the least a step waits for the other stages' gradient norms (``default_clip_wait_s``)
 # A state download (a joining, moving or repairing replica) shares the source's link with its rounds: pages and the
 # whole download are given time for STATE_MIN_RATE, and never less than the minimums.
@@ -229,6 +232,8 @@ class ReplicaSync:
         self.stepping = False  # between taking the batch's gradients and applying the step (``round``)
         self.share_overflows = 0  # retried microbatches taken beyond our share (the others' counts looked stale)
         self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
+        self.realigned_steps = 0  # partial steps taken because the rest of the batch was lost (``_left_behind``)
+        self._left_behind_read_at = 0.0
         ctx.runtime.fingerprint_at = lambda step: self.fingerprint if self.fingerprint_step == step else None
 
     def averager_settings(self) -> dict:
@@ -605,20 +610,48 @@ class ReplicaSync:
             self._announced_counts, self._announced_at = counts, time.monotonic()
             await self.ctx.announce()
 
-    async def _step_when_ready(self, others_samples: int, n_others: int) -> None:
+    async def _step_when_ready(self, others_samples: int, n_others: int, others_admitted: int = 0) -> None:
         """Announce our sample count while it changes; step once the replicas at our step together hold the
-        target batch (``others_samples`` + ours), or, with a partial batch, when no sample arrived for
-        ``stall_step_s`` and no trainer is training any more."""
+        target batch (``others_samples`` + ours), or, with a partial batch, once the rest of it is lost
+        (``_left_behind``; ``others_admitted``: what those replicas announced as in flight), or when no sample
+        arrived for ``stall_step_s`` and no trainer is training any more."""
         c, rt = self.ctx, self.ctx.runtime
         await self._announce_samples(min_interval_s=0.5)
         total = rt.samples + others_samples
         if total >= self.target:
+            await self.round(n_others)
+        elif await self._left_behind(others_admitted):
+            self.realigned_steps += 1
+            logger.warning(f"stage {c.stage_index}: the other stages took step {rt.step + 1} while this stage holds "
+                           f"{total} of its {self.target} samples, and none is in flight here: the rest left with a "
+                           f"replica that moved or died; stepping on the partial batch to stay in step with them")
+            c.log_event("realigned", step=rt.step, samples=total, target=self.target)
             await self.round(n_others)
         elif time.monotonic() - rt.last_sample_time > c.stall_step_s and not await self._trainers_training():
             # A partial batch is stepped only once no trainer is in its training loop (the end of a run, or every
             # trainer gone). While one trains, a stage that waits for samples is only waiting for a slower stage:
             # stepping then would give stages different step counts and batch sizes (docs/AVERAGING.md).
             await self.round(n_others, stalled=True)
+
+    async def _left_behind(self, others_admitted: int) -> bool:
+        """Whether the rest of our step's batch will never come: every other stage has published its gradient norm
+        of our step (so has its whole batch), and no microbatch is in flight here or at our replicas.
+
+        Every microbatch of a stage's batch passed through this stage first (forward) and back (backward), and a
+        stage counts a microbatch once its backward here finished. Samples counted elsewhere but not here were lost
+        here: accumulated by a replica that moved away (a move drains in-flight work, not the accumulated
+        gradient) or died. Waiting for them deadlocks: the other stages hold their next microbatches until they
+        step, and they wait for this stage's norm (``GlobalClip``) for the whole clip wait, at every step from
+        then on, since the lost samples shift this stage's batches against theirs for good. Stepping on the
+        partial batch realigns the stages at the cost of a smaller batch once."""
+        c, rt = self.ctx, self.ctx.runtime
+        if c.manifest.n_stages == 1 or self.admitted or others_admitted:
+            return False
+        now = time.monotonic()
+        if now - rt.last_sample_time < LEFT_BEHIND_QUIET_S or now - self._left_behind_read_at < LEFT_BEHIND_QUIET_S:
+            return False
+        self._left_behind_read_at = now
+        return await self.clipper.others_reported(rt.step)
 
     async def _own_gradient_tick(self, others: list[StageRecord], ahead: list[StageRecord], why: str) -> None:
         """The tick of schemes whose replicas step on their own gradients (``sparse``, ``diloco``): download the
@@ -637,7 +670,9 @@ class ReplicaSync:
             return
         if rt.samples == 0:
             return
-        await self._step_when_ready(sum(r.samples for r in others if r.step == rt.step), n_others=0)
+        same = [r for r in others if r.step == rt.step]
+        await self._step_when_ready(sum(r.samples for r in same), n_others=0,
+                                    others_admitted=sum(r.admitted for r in same))
 
     async def _trainers_training(self) -> bool:
         """Whether a live trainer of the run is in its training loop (read at most every 2 s; True if unreadable)."""
