@@ -234,6 +234,7 @@ class ReplicaSync:
         self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
         self.realigned_steps = 0  # partial steps taken because the rest of the batch was lost (``_left_behind``)
         self._left_behind_read_at = 0.0
+        self._left_behind_seen: Optional[tuple[int, int]] = None  # (step, samples) at the last look that found us left behind
         ctx.runtime.fingerprint_at = lambda step: self.fingerprint if self.fingerprint_step == step else None
 
     def averager_settings(self) -> dict:
@@ -620,7 +621,7 @@ class ReplicaSync:
         total = rt.samples + others_samples
         if total >= self.target:
             await self.round(n_others)
-        elif await self._left_behind(others_admitted):
+        elif await self._left_behind(total, others_admitted):
             self.realigned_steps += 1
             logger.warning(f"stage {c.stage_index}: the other stages took step {rt.step + 1} while this stage holds "
                            f"{total} of its {self.target} samples, and none is in flight here: the rest left with a "
@@ -633,9 +634,12 @@ class ReplicaSync:
             # stepping then would give stages different step counts and batch sizes (docs/AVERAGING.md).
             await self.round(n_others, stalled=True)
 
-    async def _left_behind(self, others_admitted: int) -> bool:
+    async def _left_behind(self, total: int, others_admitted: int) -> bool:
         """Whether the rest of our step's batch will never come: every other stage has published its gradient norm
-        of our step (so has its whole batch), and no microbatch is in flight here or at our replicas.
+        of our step (so has its whole batch), no microbatch is in flight here or at our replicas, and that held at
+        two looks ``LEFT_BEHIND_QUIET_S`` apart with the same ``total`` (ours and our replicas' samples): a replica's
+        record lags its count by up to a second, and one look at a lagging record took a complete batch for a
+        partial one (a sparse run of ``small``, 2026-12-04).
 
         Every microbatch of a stage's batch passed through this stage first (forward) and back (backward), and a
         stage counts a microbatch once its backward here finished. Samples counted elsewhere but not here were lost
@@ -645,13 +649,19 @@ class ReplicaSync:
         then on, since the lost samples shift this stage's batches against theirs for good. Stepping on the
         partial batch realigns the stages at the cost of a smaller batch once."""
         c, rt = self.ctx, self.ctx.runtime
-        if c.manifest.n_stages == 1 or self.admitted or others_admitted:
-            return False
         now = time.monotonic()
-        if now - rt.last_sample_time < LEFT_BEHIND_QUIET_S or now - self._left_behind_read_at < LEFT_BEHIND_QUIET_S:
+        if c.manifest.n_stages == 1 or self.admitted or others_admitted \
+                or now - rt.last_sample_time < LEFT_BEHIND_QUIET_S:
+            self._left_behind_seen = None
+            return False
+        if now - self._left_behind_read_at < LEFT_BEHIND_QUIET_S:
             return False
         self._left_behind_read_at = now
-        return await self.clipper.others_reported(rt.step)
+        if not await self.clipper.others_reported(rt.step):
+            self._left_behind_seen = None
+            return False
+        seen, self._left_behind_seen = self._left_behind_seen, (rt.step, total)
+        return seen == (rt.step, total)
 
     async def _own_gradient_tick(self, others: list[StageRecord], ahead: list[StageRecord], why: str) -> None:
         """The tick of schemes whose replicas step on their own gradients (``sparse``, ``diloco``): download the
