@@ -45,8 +45,8 @@ from agora.lab.demo import DemoOptions, LinkOptions, NodeExtras, StopRule, Swarm
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
-ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "powersgd_cold", "sparse", "diloco", "gossip", "all", "all_no_overlap",
-        "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam",
+ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "powersgd_cold", "sparse", "diloco", "gossip", "all",
+        "all_no_overlap", "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam",
         "nadam_lookahead", "nadam_no_overlap")
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}

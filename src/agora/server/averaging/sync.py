@@ -234,7 +234,8 @@ class ReplicaSync:
         self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
         self.realigned_steps = 0  # partial steps taken because the rest of the batch was lost (``_left_behind``)
         self._left_behind_read_at = 0.0
-        self._left_behind_seen: Optional[tuple[int, int]] = None  # (step, samples) at the last look that found us left behind
+        # (step, samples) at the last look that found us left behind (``_left_behind`` confirms at the next one)
+        self._left_behind_seen: Optional[tuple[int, int]] = None
         ctx.runtime.fingerprint_at = lambda step: self.fingerprint if self.fingerprint_step == step else None
 
     def averager_settings(self) -> dict:
