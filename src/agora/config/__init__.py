@@ -250,8 +250,8 @@ class AveragingConfig(_Strict):
     scheme: Literal["full", "powersgd", "sparse", "diloco", "gossip"] = "full"
     rank: int = Field(default=4, ge=1, le=256, description="PowerSGD rank (powersgd only)")
     warm_start: bool = Field(default=True, description="PowerSGD: start each round's power iteration from the last "
-                             "averaged Q (powersgd only; off: a fresh seeded Q every round, 2.5 points of loss ratio "
-                             "worse at 50 steps of small)")
+                             "averaged Q (powersgd only; off: a fresh seeded Q every round, 2.6 points of loss ratio "
+                             "worse at 50 steps of small, seed 2)")
     rho: float = Field(default=0.05, gt=0, le=1, description="fraction of the state averaged per round (sparse)")
     every: int = Field(default=20, ge=1, le=100_000,
                        description="optimizer steps between rounds (sparse; diloco: inner steps per outer step)")

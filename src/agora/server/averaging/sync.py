@@ -649,10 +649,9 @@ class ReplicaSync:
         step, and they wait for this stage's norm (``GlobalClip``) for the whole clip wait, at every step from
         then on, since the lost samples shift this stage's batches against theirs for good. Stepping on the
         partial batch realigns the stages at the cost of a smaller batch once."""
-        c, rt = self.ctx, self.ctx.runtime
+        rt = self.ctx.runtime
         now = time.monotonic()
-        if c.manifest.n_stages == 1 or self.admitted or others_admitted \
-                or now - rt.last_sample_time < LEFT_BEHIND_QUIET_S:
+        if self.admitted or others_admitted or now - rt.last_sample_time < LEFT_BEHIND_QUIET_S:
             self._left_behind_seen = None
             return False
         if now - self._left_behind_read_at < LEFT_BEHIND_QUIET_S:
