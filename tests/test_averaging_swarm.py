@@ -18,7 +18,9 @@ from agora.client.trainer import Trainer
 from swarm_util import feed_fake_gradients, local_swarm, random_batches, train_in_waves, wait_until
 
 BASE = load_manifest("tiny").with_overrides(**{"optimizer.warmup_steps": 0, "optimizer.lr": 0.01})
-POWERSGD = BASE.with_overrides(**{"averaging.scheme": "powersgd", "averaging.rank": 2})
+POWERSGD = BASE.with_overrides(**{"averaging.scheme": "powersgd", "averaging.rank": 2, "averaging.dense_steps": 0})
+# the first step a full round in the dense averager, PowerSGD rounds after it
+POWERSGD_DENSE_FIRST = POWERSGD.with_overrides(**{"averaging.dense_steps": 1})
 OPTS = NodeOptions(stall_step_s=1e9, averaging_timeout_s=15.0)
 
 
@@ -95,13 +97,15 @@ async def _check_and_break_a_round(heads, step):
 
 def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
     t0 = time.monotonic()
-    losses, heads = asyncio.run(_train(POWERSGD, steps=4, check_each_step=_check_and_break_a_round))
+    losses, heads = asyncio.run(_train(POWERSGD_DENSE_FIRST, steps=4, check_each_step=_check_and_break_a_round))
     psgd_s = time.monotonic() - t0
     for h in heads:
-        # every other step was a real two-replica PowerSGD round; no repair by state download was ever needed
+        # step 1 a full round (dense_steps 1), steps 2 and 4 real two-replica PowerSGD rounds, step 3's round
+        # failed; no repair by state download was ever needed
         assert h.sync.scheme == "powersgd" and h.sync.rounds_ok == 3, (h.sync.rounds_ok, h.sync.rounds_failed)
         assert h.sync.rounds_failed == 1 and h.sync.local_steps == 1 and h.sync.resyncs == 0
         assert any(e is not None and e.abs().sum() > 0 for e in h.sync.psgd.errors)  # error feedback is live
+        assert h.sync.dense is None  # past its dense steps, the dense averager is shut down
     assert losses[1] < losses[0] - 0.5, losses
 
     full_losses, full_heads = asyncio.run(_train(BASE, steps=1))
@@ -114,10 +118,11 @@ def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
     full_rounds = [a + b for a, b in zip(full_heads[0].sync.round_bytes, full_heads[1].sync.round_bytes)]
     assert len(psgd_rounds) == 3 and len(full_rounds) == 1, (psgd_rounds, full_rounds)
     assert full_rounds == [8 * elements], (full_rounds, elements)
-    assert psgd_rounds == [8 * heads[0].sync.psgd.numel_sent()] * 3, psgd_rounds
-    assert psgd_rounds[0] * 4 < full_rounds[0], (psgd_rounds, full_rounds)
-    print(f"all-reduce bytes per round (both replicas): full {full_rounds[0]}, powersgd rank 2 {psgd_rounds[0]} "
-          f"({full_rounds[0] / psgd_rounds[0]:.1f}x less); powersgd run {psgd_s:.0f}s, losses {losses}")
+    # the dense first round moved what a full round moves, the compressed ones P, Q and the passthrough tensors
+    assert psgd_rounds == [8 * elements] + [8 * heads[0].sync.psgd.numel_sent()] * 2, psgd_rounds
+    assert psgd_rounds[1] * 4 < full_rounds[0], (psgd_rounds, full_rounds)
+    print(f"all-reduce bytes per round (both replicas): full {full_rounds[0]}, powersgd rank 2 {psgd_rounds[1]} "
+          f"({full_rounds[0] / psgd_rounds[1]:.1f}x less); powersgd run {psgd_s:.0f}s, losses {losses}")
 
 
 def test_powersgd_replica_stuck_inside_the_allreduce_then_killed(monkeypatch):

@@ -209,6 +209,8 @@ def test_averaging_section_defaults_validates_and_enters_the_hash(tmp_path):
     ({"averaging": {"scheme": "sparse", "rho": 0}}, "averaging.rho"),
     ({"averaging": {"scheme": "sparse", "every": 0}}, "averaging.every"),
     ({"averaging": {"scheme": "full", "rank": 8}}, "only apply to scheme 'powersgd'"),
+    ({"averaging": {"scheme": "sparse", "dense_steps": 3}}, "only apply to scheme 'powersgd'"),
+    ({"averaging": {"scheme": "powersgd", "dense_steps": -1}}, "averaging.dense_steps"),
     ({"averaging": {"scheme": "powersgd", "rho": 0.1}}, "only applies to scheme 'sparse'"),
     ({"averaging": {"scheme": "full", "ranks": 8}}, "unknown key"),
 ])

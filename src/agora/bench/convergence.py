@@ -9,8 +9,10 @@ rows add one source of difference at a time to ``serial``, then all together:
   overlap         ``serial`` with rounds overlapping the next step's forwards (their weights one step old)
   in_flight       ``serial`` with ``in_flight`` microbatches in flight (pipelining within a step)
   replicas        ``serial`` with ``replicas`` per stage, full averaging
-  powersgd        ``replicas`` averaged by PowerSGD (power iteration warm-started from the last round's Q)
-  powersgd_cold   ``powersgd`` with a fresh seeded Q every round (the default before 2026-12-04)
+  powersgd        ``replicas`` averaged by PowerSGD (power iteration warm-started from the last round's Q; the
+                  first ``averaging.dense_steps`` steps, 5, averaged in full)
+  powersgd_no_dense  ``powersgd`` compressing from the first step (the default on 2026-12-04 before the dense steps)
+  powersgd_cold   ``powersgd_no_dense`` with a fresh seeded Q every round (the default before 2026-12-04)
   sparse          ``replicas`` with sparse averaging, a round every ``diloco_every`` steps
   diloco          ``replicas`` with DiLoCo: ``diloco_every`` inner steps per outer Nesterov step (0.7 / 0.9)
   gossip          ``diloco`` with factored gossip instead of the exact average (q = 1)
@@ -45,7 +47,7 @@ from agora.lab.demo import DemoOptions, LinkOptions, NodeExtras, StopRule, Swarm
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
-ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "powersgd_cold", "sparse", "diloco", "gossip", "all",
+ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense", "powersgd_cold", "sparse", "diloco", "gossip", "all",
         "all_no_overlap", "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam",
         "nadam_lookahead", "nadam_no_overlap")
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
@@ -53,7 +55,7 @@ NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
 # The targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
 TARGETS = {"serial": 1.001, "all": 1.02, "all_no_overlap": 1.02, "all_overlap": 1.02, "powersgd": 1.03,
-           "powersgd_cold": 1.03, "sparse": 1.03}
+           "powersgd_no_dense": 1.03, "powersgd_cold": 1.03, "sparse": 1.03}
 SWARM_TIMEOUT_S = 7200
 
 
@@ -101,8 +103,9 @@ class ConvergenceOptions:
             "in_flight": row(1, f, False),
             "replicas": row(r, 1, False),
             "powersgd": row(r, 1, False, "powersgd"),
+            "powersgd_no_dense": row(r, 1, False, "powersgd,dense_steps=0"),
             # a fresh seeded Q every round instead of the last averaged one (the default before 2026-12-04)
-            "powersgd_cold": row(r, 1, False, "powersgd,warm_start=false"),
+            "powersgd_cold": row(r, 1, False, "powersgd,warm_start=false,dense_steps=0"),
             # every: the preset's default (20) never comes at benchmark horizons of ~12 steps
             "sparse": row(r, 1, False, f"sparse,every={self.diloco_every}"),
             "diloco": row(r, 1, False, f"diloco,every={self.diloco_every}"),

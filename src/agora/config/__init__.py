@@ -237,7 +237,8 @@ class AveragingConfig(_Strict):
 
     * ``full``: all-reduce of the whole float64 gradient every step (bit-identical replicas; ``8 B`` per element).
     * ``powersgd``: rank-``rank`` PowerSGD with error feedback, two all-reduces (P, Q) in one group per step;
-      replicas still apply the same update and stay bit-identical.
+      replicas still apply the same update and stay bit-identical. The first ``dense_steps`` steps average the
+      whole gradient, as ``full`` does (the early steps are where a rank-``rank`` update costs the most loss).
     * ``sparse``: SPARTA. Each replica steps on its own gradients; every ``every`` steps a background round
       averages a seeded ``rho`` slice of parameters and Adam moments (replicas legitimately differ in between).
     * ``diloco``: DiLoCo. Each replica takes ``every`` inner steps on its own gradients, then a blocking round
@@ -252,6 +253,9 @@ class AveragingConfig(_Strict):
     warm_start: bool = Field(default=True, description="PowerSGD: start each round's power iteration from the last "
                              "averaged Q (powersgd only; off: a fresh seeded Q every round, 2.6 points of loss ratio "
                              "worse at 50 steps of small, seed 2)")
+    dense_steps: int = Field(default=5, ge=0, le=1_000_000,
+                             description="PowerSGD: the first N optimizer steps average the whole gradient (as "
+                             "'full') before compression starts (powersgd only; 0: compress from the first step)")
     rho: float = Field(default=0.05, gt=0, le=1, description="fraction of the state averaged per round (sparse)")
     every: int = Field(default=20, ge=1, le=100_000,
                        description="optimizer steps between rounds (sparse; diloco: inner steps per outer step)")
@@ -265,8 +269,8 @@ class AveragingConfig(_Strict):
         def changed(*names: str) -> bool:
             return any(getattr(self, f) != type(self).model_fields[f].default for f in names)
 
-        if self.scheme != "powersgd" and changed("rank", "warm_start"):
-            raise ValueError(f"averaging.rank/warm_start only apply to scheme 'powersgd' (scheme is "
+        if self.scheme != "powersgd" and changed("rank", "warm_start", "dense_steps"):
+            raise ValueError(f"averaging.rank/warm_start/dense_steps only apply to scheme 'powersgd' (scheme is "
                              f"{self.scheme!r}); remove them or set averaging.scheme: powersgd")
         if self.scheme != "sparse" and changed("rho"):
             raise ValueError(f"averaging.rho only applies to scheme 'sparse' (scheme is {self.scheme!r}); "

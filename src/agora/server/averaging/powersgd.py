@@ -5,17 +5,24 @@ Both all-reduces of a round run in one hivemind group (``allreduce.PowerSGDAvera
 fingerprint repair works unchanged. A failed round costs no repair: every replica whose round failed takes a
 zero-gradient step and keeps ``G + E`` in its error buffer for the next round. A state download resets the error
 buffer (it belongs to the trajectory left behind); a replica alone steps on ``G + E``.
+
+The first ``averaging.dense_steps`` steps are ``full`` rounds, in a second averager (its own matchmaking prefix)
+that is shut down once the stage is past them; error feedback starts with the first compressed round. Why: the
+early steps are where a low-rank update costs the most loss (docs/COMPRESSION.md, "Dense first steps").
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from agora.compression.powersgd import PowerSGD
-from agora.server.averaging.allreduce import PowerSGDAverager
+from agora.server.averaging.allreduce import GuardedAverager, PowerSGDAverager
 from agora.server.averaging.full import FullSync
+
+logger = logging.getLogger("agora.averaging")
 
 
 class PowerSGDSync(FullSync):
@@ -27,15 +34,34 @@ class PowerSGDSync(FullSync):
         self.psgd = PowerSGD([p.shape for p in rt.stage.parameters()], a.rank, run_id=m.run_id,
                              stage=rt.stage_index, warm_start=a.warm_start)
         self._compressed_step: Optional[int] = None  # step whose payload is built and not yet resolved
+        self.dense_steps = a.dense_steps
+        self.dense: Optional[GuardedAverager] = None  # full rounds before compression starts
+        self._dense_round = False  # the payload loaded last went into ``dense``
+        if rt.step < self.dense_steps:
+            gradients = [torch.zeros_like(p, dtype=torch.float64) for p in rt.stage.parameters()]
+            self.dense = GuardedAverager(gradients, self.ctx.dht,
+                                         **{**self.averager_settings(), "prefix": f"{self.prefix}_dense"})
         f64 = torch.float64
         phase1 = [torch.zeros(s, dtype=f64) for s in [*self.psgd.p_shapes(), *self.psgd.passthrough_shapes()]]
         qs = [torch.zeros(s, dtype=f64) for s in self.psgd.q_shapes()]
         matrices = [torch.zeros(ps[0], qs_[0], dtype=f64) for ps, qs_ in zip(self.psgd.p_shapes(), self.psgd.q_shapes())]
         return PowerSGDAverager(phase1, qs, matrices, self.ctx.dht, **self.averager_settings())
 
+    def round_averager(self):
+        return self.dense if self._dense_round else self.averager
+
+    def _dense_at(self, step: int) -> bool:
+        return self.dense is not None and step < self.dense_steps
+
     def _load_buffers(self, grads: list[torch.Tensor], step: int) -> None:
         """``P = (G + E) Q`` and the passthrough gradients for phase 1, and ``M = G + E`` for the averager to
-        compute phase 2's ``Q`` from."""
+        compute phase 2's ``Q`` from; at a dense step, the whole gradient into the dense averager."""
+        self._dense_round = self._dense_at(step)
+        if self._dense_round:
+            with self.dense.get_tensors() as bufs:
+                for b, g in zip(bufs, grads):
+                    b.copy_(g)
+            return
         ps = self.psgd.compress_p(grads, step)
         self._compressed_step = step
         payload = [*ps, *self.psgd.passthrough_tensors(grads)]
@@ -46,6 +72,10 @@ class PowerSGDSync(FullSync):
                 b.copy_(mat)
 
     def _averaged(self) -> list[torch.Tensor]:
+        if self._dense_round:
+            self._dense_round = False
+            with self.dense.get_tensors() as bufs:
+                return [b.float() for b in bufs]
         with self.averager.get_tensors() as bufs:
             k, n1 = len(self.psgd.compressed), self.averager.n_phase1
             p_hat, passthrough, q_avg = ([b.clone() for b in bufs[:k]], [b.clone() for b in bufs[k:n1]],
@@ -59,6 +89,9 @@ class PowerSGDSync(FullSync):
         applied now *and* again through the error buffer; and replicas whose round failed together take the same
         zero-gradient step, so they stay identical and need no state download."""
         compressed, self._compressed_step = self._compressed_step, None
+        if self._dense_at(self.ctx.runtime.step):  # a failed full round: our own gradient, as ``full`` steps
+            self._dense_round = False
+            return self.psgd.flush(grads)  # no error yet unless a compressed round came first (a restart)
         if alone:
             return self.psgd.flush(grads)
         if compressed is None:  # the round failed before its payload was built: build M = G + E to keep it
@@ -68,3 +101,26 @@ class PowerSGDSync(FullSync):
 
     def _state_replaced(self) -> None:
         self.psgd.reset()  # the error buffer belongs to the trajectory we just left
+        self._end_dense_phase()
+
+    def _after_step(self) -> None:
+        super()._after_step()
+        self._end_dense_phase()
+
+    def _end_dense_phase(self) -> None:
+        """Compute thread: past the dense steps, shut the dense averager down (its process and its stage-sized
+        float64 buffers). A replica that comes back to an earlier step (a restore) compresses from then on."""
+        if self.dense is not None and self.ctx.runtime.step >= self.dense_steps and not self._dense_round:
+            dense, self.dense = self.dense, None
+            try:
+                dense.shutdown()
+            except Exception as err:  # already gone: nothing left to release
+                logger.debug(f"dense averager shutdown: {err!r}")
+
+    def shutdown(self) -> None:
+        if self.dense is not None and not self.closed:
+            try:
+                self.dense.shutdown()
+            except Exception as err:
+                logger.debug(f"dense averager shutdown: {err!r}")
+        super().shutdown()

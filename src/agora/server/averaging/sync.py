@@ -268,6 +268,11 @@ class ReplicaSync:
         return self.compression.bytes_sent
 
     # ------------------------------------------------------------------ what a round moves (per scheme)
+    def round_averager(self) -> Any:
+        """The hivemind averager the round whose payload ``_load_buffers`` loaded runs in (``powersgd`` has a
+        second one for its dense steps)."""
+        return self.averager
+
     def _load_buffers(self, grads: list[torch.Tensor], step: int) -> None:
         """Compute thread: put this round's payload into the averager's buffers."""
         raise NotImplementedError
@@ -700,7 +705,7 @@ class ReplicaSync:
         """Start a hivemind round with our buffers (already loaded); returns its StepControl."""
         timeout = self.ctx.averaging_timeout_s
         return await self.ctx.run_io(
-            lambda: self.averager.step(weight=max(float(weight), ZERO_SAMPLE_WEIGHT), gather=gather,
+            lambda: self.round_averager().step(weight=max(float(weight), ZERO_SAMPLE_WEIGHT), gather=gather,
                                        timeout=timeout, allow_retries=True, wait=False)
         )
 
