@@ -95,6 +95,22 @@ async def _check_and_break_a_round(heads, step):
             assert len(errors) == len(h.sync.psgd.compressed) and all(e.abs().sum() > 0 for e in errors)
 
 
+def test_a_failed_dense_round_is_a_zero_step_whose_gradient_the_compressed_rounds_deliver():
+    """``dense_steps`` 3: steps 1 and 2 are full rounds, step 3's full round fails on both replicas, step 4 is the
+    first PowerSGD round. The failed dense round fails as a compressed one does: a zero step with ``G`` kept in the
+    error buffer (checked at step 3 by ``_check_and_break_a_round``), so the replicas stay bit-identical without a
+    state download (which over a link too slow for a dense round would be slower still)."""
+    man = POWERSGD.with_overrides(**{"averaging.dense_steps": FAILED_STEP})
+    losses, heads = asyncio.run(_train(man, steps=4, check_each_step=_check_and_break_a_round))
+    elements = sum(p.numel() for p in heads[0].stage.parameters())
+    for h in heads:
+        assert h.sync.rounds_ok == 3 and h.sync.rounds_failed == 1, (h.sync.rounds_ok, h.sync.rounds_failed)
+        assert h.sync.local_steps == 1 and h.sync.resyncs == 0 and h.sync.dense is None
+    rounds = [a + b for a, b in zip(heads[0].sync.round_bytes, heads[1].sync.round_bytes)]
+    assert rounds == [8 * elements] * 2 + [8 * heads[0].sync.psgd.numel_sent()], rounds
+    assert losses[1] < losses[0] - 0.5, losses
+
+
 def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
     t0 = time.monotonic()
     losses, heads = asyncio.run(_train(POWERSGD_DENSE_FIRST, steps=4, check_each_step=_check_and_break_a_round))

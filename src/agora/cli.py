@@ -349,9 +349,10 @@ def bench_convergence(
     in_flight: int = typer.Option(4, min=2, help="microbatches in flight in the pipelined rows"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; every row runs once per seed"),
     rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, overlap, in_flight, replicas, "
-                                                  "powersgd, sparse, diloco, gossip, all, all_no_overlap, all_overlap, "
-                                                  "all_capped, all_capped_no_overlap, all_capped_overlap, upm, upm_5s, "
-                                                  "nadam, nadam_lookahead, nadam_no_overlap (default: all that apply)"),
+                                                  "powersgd, powersgd_no_dense, powersgd_cold, sparse, diloco, gossip, "
+                                                  "all, all_no_overlap, all_overlap, all_capped, "
+                                                  "all_capped_no_overlap, all_capped_overlap, upm, upm_5s, nadam, "
+                                                  "nadam_lookahead, nadam_no_overlap (default: all that apply)"),
     link_mbps: Optional[float] = typer.Option(None, help="add the all_capped rows: every link capped at this rate"),
     val_batches: int = typer.Option(4, min=1),
     diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round, the "

@@ -6,9 +6,11 @@ fingerprint repair works unchanged. A failed round costs no repair: every replic
 zero-gradient step and keeps ``G + E`` in its error buffer for the next round. A state download resets the error
 buffer (it belongs to the trajectory left behind); a replica alone steps on ``G + E``.
 
-The first ``averaging.dense_steps`` steps are ``full`` rounds, in a second averager (its own matchmaking prefix)
-that is shut down once the stage is past them; error feedback starts with the first compressed round. Why: the
-early steps are where a low-rank update costs the most loss (docs/COMPRESSION.md, "Dense first steps").
+The first ``averaging.dense_steps`` steps are ``full`` rounds of ``G + E``, in a second averager (its own
+matchmaking prefix) that is shut down once the stage is past them. A failed dense round fails as a compressed one
+does (a zero step, ``G + E`` kept in the error buffer), so replicas whose round failed together need no state
+download, which a slow link could not afford either. Why dense at all: the early steps are where a low-rank update
+costs the most loss (docs/COMPRESSION.md, "Dense first steps").
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class PowerSGDSync(FullSync):
         self.dense_steps = a.dense_steps
         self.dense: Optional[GuardedAverager] = None  # full rounds before compression starts
         self._dense_round = False  # the payload loaded last went into ``dense``
+        self._dense_payload: Optional[list[torch.Tensor]] = None  # its ``G + E`` (taken out of the error buffers)
         if rt.step < self.dense_steps:
             gradients = [torch.zeros_like(p, dtype=torch.float64) for p in rt.stage.parameters()]
             self.dense = GuardedAverager(gradients, self.ctx.dht,
@@ -48,7 +51,7 @@ class PowerSGDSync(FullSync):
         return PowerSGDAverager(phase1, qs, matrices, self.ctx.dht, **self.averager_settings())
 
     def round_averager(self):
-        return self.dense if self._dense_round else self.averager
+        return self.dense if self._dense_round else self.averager  # as ``_load_buffers`` chose for this round
 
     def _dense_at(self, step: int) -> bool:
         return self.dense is not None and step < self.dense_steps
@@ -58,8 +61,9 @@ class PowerSGDSync(FullSync):
         compute phase 2's ``Q`` from; at a dense step, the whole gradient into the dense averager."""
         self._dense_round = self._dense_at(step)
         if self._dense_round:
+            self._dense_payload = self.psgd.flush(grads)  # G + E: averaged in full, the error is delivered
             with self.dense.get_tensors() as bufs:
-                for b, g in zip(bufs, grads):
+                for b, g in zip(bufs, self._dense_payload):
                     b.copy_(g)
             return
         ps = self.psgd.compress_p(grads, step)
@@ -73,7 +77,7 @@ class PowerSGDSync(FullSync):
 
     def _averaged(self) -> list[torch.Tensor]:
         if self._dense_round:
-            self._dense_round = False
+            self._dense_round, self._dense_payload = False, None
             with self.dense.get_tensors() as bufs:
                 return [b.float() for b in bufs]
         with self.averager.get_tensors() as bufs:
@@ -84,14 +88,18 @@ class PowerSGDSync(FullSync):
         return self.psgd.assemble(self.psgd.decompress(p_hat, q_avg), passthrough)
 
     def _not_averaged(self, grads: list[torch.Tensor], alone: bool) -> list[torch.Tensor]:
-        """Alone: ``G + E`` (the error buffer is flushed: there is no group to compress for). After a failed round:
-        a zero update, the whole ``G + E`` staying in the error buffer. Why not our own gradient here: it would be
+        """Alone: ``G + E`` (the error buffer is flushed: there is no group to compress for). After a failed round,
+        compressed or dense: a zero update, the whole ``G + E`` staying in the error buffer. Why not our own gradient here: it would be
         applied now *and* again through the error buffer; and replicas whose round failed together take the same
         zero-gradient step, so they stay identical and need no state download."""
         compressed, self._compressed_step = self._compressed_step, None
-        if self._dense_at(self.ctx.runtime.step):  # a failed full round: our own gradient, as ``full`` steps
-            self._dense_round = False
-            return self.psgd.flush(grads)  # no error yet unless a compressed round came first (a restart)
+        loaded, self._dense_payload, self._dense_round = self._dense_payload, None, False
+        if loaded is not None:  # a dense round's payload, G + E already out of the error buffer, without a result
+            if alone:
+                return loaded
+            self.psgd.compress_p(loaded, self.ctx.runtime.step)  # M = G + E back into the error buffer
+            self.psgd.abort()
+            return [torch.zeros_like(g) for g in grads]
         if alone:
             return self.psgd.flush(grads)
         if compressed is None:  # the round failed before its payload was built: build M = G + E to keep it
