@@ -22,6 +22,8 @@ def test_the_serial_swarm_matches_centralized_and_every_stage_steps_once_per_bat
         assert rows[name]["equal_steps"], (name, [r["steps_per_stage"] for r in result["runs"] if r["row"] == name])
     for r in result["runs"]:
         assert r["tokens"] == steps * 16 * 64, r
+    # the averaging cost: nothing without replicas, every step's float64 all-reduce with them
+    assert rows["serial"]["averaging_mb"]["max"] == 0 and rows["all"]["averaging_mb"]["min"] > 0, rows["all"]
     # With rounds overlapping the next step's forwards, some forwards ran while their stage's step was pending:
     # those ran on the look-ahead weights. The row still learns what centralized NAdam learns, within a few percent.
     print("look-ahead forwards", rows["nadam_lookahead"]["lookahead_forwards"], rows["nadam_lookahead"]["loss_ratio"])

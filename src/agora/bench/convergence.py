@@ -31,7 +31,8 @@ rows add one source of difference at a time to ``serial``, then all together:
 The NAdam rows are compared with a centralized NAdam run of the same seed (``centralized_nadam``), not with AdamW's.
 
 Reported per row: the validation loss ratio to the same seed's centralized run (median and min-max over seeds), the
-steps each stage took (a centralized run takes ``steps``), and the training-loss curves against tokens (plot).
+steps each stage took (a centralized run takes ``steps``), the all-reduce bytes every node sent, and the
+training-loss curves against tokens (plot).
 The why of each row is in ``docs/AVERAGING.md`` ("Convergence parity").
 """
 
@@ -214,6 +215,8 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
             "loss_ratio": (val if val is not None else float("nan")) / central["val_loss"],
             "steps_per_stage": s["steps_per_stage"], "settled": s["settled"], "wall_s": s["wall_s"],
             "rounds_ok": s["rounds_ok"], "rounds_failed": s["rounds_failed"],
+            # all-reduce payload every node put on the wire, all stages and rounds together (the averaging cost)
+            "averaging_bytes": int(s.get("averaging_bytes_sent") or 0),
             "share_redirects": sum(int(n.get("share_redirects") or 0) for n in nodes),
             # steps that waited out the clip wait for another stage's gradient norm, and partial steps that
             # realigned a stage that lost part of a batch with a replica that moved or died
@@ -250,6 +253,7 @@ def summarize_rows(runs: list[dict], steps: int) -> dict[str, dict]:
             # swarm rows: training tokens over the swarm's wall time, and (UPM rows) rotations of boundary 0
             "tokens_per_s": _spread([r["tokens_per_s"] for r in mine]) if all(r.get("tokens_per_s") for r in mine)
             else None,
+            "averaging_mb": _spread([r.get("averaging_bytes", 0) / 1e6 for r in mine]),
             "rotations": [r.get("rotations", 0) for r in mine],
             "lookahead_forwards": [r.get("lookahead_forwards", 0) for r in mine],
         }
@@ -275,11 +279,12 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
 
     table = markdown_table(
         ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage",
-         "tokens/s (training window)", "rotations", "look-ahead forwards"],
+         "tokens/s (training window)", "averaging MB sent", "rotations", "look-ahead forwards"],
         [[name, len(r["seeds"]), fmt(r["val_loss"], ".4f"), fmt(r["loss_ratio"], ".4f"),
           "" if r["target"] is None else f"<= {r['target']:g}", "" if r["met"] is None else ("yes" if r["met"] else "NO"),
           f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"],
           fmt(r["tokens_per_s"], ".0f") if r.get("tokens_per_s") else "",
+          fmt(r["averaging_mb"], ".0f") if r.get("averaging_mb") and r["averaging_mb"]["max"] else "",
           ",".join(str(x) for x in r.get("rotations") or []) if any(r.get("rotations") or []) else "",
           ",".join(str(x) for x in r.get("lookahead_forwards") or [])
           if any(r.get("lookahead_forwards") or []) else ""]
