@@ -16,6 +16,9 @@ rows add one source of difference at a time to ``serial``, then all together:
   sparse          ``replicas`` with sparse averaging, a round every ``diloco_every`` steps
   diloco          ``replicas`` with DiLoCo: ``diloco_every`` inner steps per outer Nesterov step (0.7 / 0.9)
   gossip          ``diloco`` with factored gossip instead of the exact average (q = 1)
+  in_flight_overlap  ``in_flight`` with the overlap on (with ``replicas_overlap``: which of the two the overlap's
+                  cost in ``all_overlap`` comes from)
+  replicas_overlap   ``replicas`` with the overlap on
   all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run;
                   overlap is off by default since 2026-12-04)
   all_no_overlap  ``all`` with overlap off
@@ -48,9 +51,10 @@ from agora.lab.demo import DemoOptions, LinkOptions, NodeExtras, StopRule, Swarm
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
-ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense", "powersgd_cold", "sparse", "diloco", "gossip", "all",
-        "all_no_overlap", "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam",
-        "nadam_lookahead", "nadam_no_overlap")
+ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense", "powersgd_cold", "sparse",
+        "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all", "all_no_overlap", "all_overlap",
+        "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam", "nadam_lookahead",
+        "nadam_no_overlap")
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
@@ -111,6 +115,8 @@ class ConvergenceOptions:
             "sparse": row(r, 1, False, f"sparse,every={self.diloco_every}"),
             "diloco": row(r, 1, False, f"diloco,every={self.diloco_every}"),
             "gossip": row(r, 1, False, f"gossip,every={self.diloco_every},q=1"),
+            "in_flight_overlap": row(1, f, True),
+            "replicas_overlap": row(r, 1, True),
             "all": row(r, f, None),
             "all_no_overlap": row(r, f, False),
             "all_overlap": row(r, f, True),
