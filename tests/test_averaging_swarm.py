@@ -89,6 +89,8 @@ async def _check_and_break_a_round(heads, step):
     if step == FAILED_STEP:
         # Both replicas stepped with a zero update and kept G + E in their error buffers: still identical (checked
         # above) without a state download, and nothing of the gradient was dropped.
+        # The local step is counted on the event loop just after the compute thread set the step's fingerprint.
+        await _wait(lambda: all(h.sync.local_steps >= 1 for h in heads), 10, "the local step to be counted")
         for h in heads:
             assert h.sync.local_steps == 1 and h.sync.resyncs == 0
             errors = [e for e in h.sync.psgd.errors if e is not None]

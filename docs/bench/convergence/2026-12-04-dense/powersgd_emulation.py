@@ -16,7 +16,7 @@ from agora.data import build_datasets
 from agora.model import PipelineModel
 from agora.optim import build_optimizer, set_lr
 from agora.lab.train_local import evaluate
-from agora.compression.powersgd import PowerSGD, orthogonalize
+from agora.compression.powersgd import PowerSGD
 
 def run(seed, steps, rank, warm_start, full_steps=0, replicas=2, mode="psgd", min_compression=2.0):
     torch.set_num_threads(2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import torch
 
@@ -36,9 +37,12 @@ class FullSync(ReplicaSync):
         self._catch_up_step, self._catch_up_since, self._catch_up_logged = -1, 0.0, False
         self._gave_up_on: dict[str, int] = {}  # replica -> the step at which we last stopped waiting for it
 
-    def _make_averager(self):
+    def _make_averager(self, prefix: Optional[str] = None):
+        """A float64 gradient averager; ``prefix``: another matchmaking prefix than the stage's (``powersgd``'s
+        dense steps)."""
         gradients = [torch.zeros_like(p, dtype=torch.float64) for p in self.ctx.runtime.stage.parameters()]
-        return GuardedAverager(gradients, self.ctx.dht, **self.averager_settings())
+        settings = {**self.averager_settings(), "prefix": prefix or self.prefix}
+        return GuardedAverager(gradients, self.ctx.dht, **settings)
 
     def _load_buffers(self, grads: list[torch.Tensor], step: int) -> None:
         with self.averager.get_tensors() as bufs:

@@ -41,9 +41,7 @@ class PowerSGDSync(FullSync):
         self._dense_round = False  # the payload loaded last went into ``dense``
         self._dense_payload: Optional[list[torch.Tensor]] = None  # its ``G + E`` (taken out of the error buffers)
         if rt.step < self.dense_steps:
-            gradients = [torch.zeros_like(p, dtype=torch.float64) for p in rt.stage.parameters()]
-            self.dense = GuardedAverager(gradients, self.ctx.dht,
-                                         **{**self.averager_settings(), "prefix": f"{self.prefix}_dense"})
+            self.dense = super()._make_averager(prefix=f"{self.prefix}_dense")
         f64 = torch.float64
         phase1 = [torch.zeros(s, dtype=f64) for s in [*self.psgd.p_shapes(), *self.psgd.passthrough_shapes()]]
         qs = [torch.zeros(s, dtype=f64) for s in self.psgd.q_shapes()]
@@ -89,8 +87,8 @@ class PowerSGDSync(FullSync):
 
     def _not_averaged(self, grads: list[torch.Tensor], alone: bool) -> list[torch.Tensor]:
         """Alone: ``G + E`` (the error buffer is flushed: there is no group to compress for). After a failed round,
-        compressed or dense: a zero update, the whole ``G + E`` staying in the error buffer. Why not our own gradient here: it would be
-        applied now *and* again through the error buffer; and replicas whose round failed together take the same
+        compressed or dense: a zero update, the whole ``G + E`` staying in the error buffer. Why not our own
+        gradient here: it would be applied now *and* again through the error buffer; and replicas whose round failed together take the same
         zero-gradient step, so they stay identical and need no state download."""
         compressed, self._compressed_step = self._compressed_step, None
         loaded, self._dense_payload, self._dense_round = self._dense_payload, None, False
@@ -120,15 +118,16 @@ class PowerSGDSync(FullSync):
         float64 buffers). A replica that comes back to an earlier step (a restore) compresses from then on."""
         if self.dense is not None and self.ctx.runtime.step >= self.dense_steps and not self._dense_round:
             dense, self.dense = self.dense, None
-            try:
-                dense.shutdown()
-            except Exception as err:  # already gone: nothing left to release
-                logger.debug(f"dense averager shutdown: {err!r}")
+            _shut_down(dense)
 
     def shutdown(self) -> None:
         if self.dense is not None and not self.closed:
-            try:
-                self.dense.shutdown()
-            except Exception as err:
-                logger.debug(f"dense averager shutdown: {err!r}")
+            _shut_down(self.dense)
         super().shutdown()
+
+
+def _shut_down(averager: GuardedAverager) -> None:
+    try:
+        averager.shutdown()
+    except Exception as err:  # already gone: nothing left to release
+        logger.debug(f"dense averager shutdown: {err!r}")
