@@ -1,7 +1,8 @@
 """Measure one stage's peak memory on CPU, trained the way ``StageRuntime`` does, for ``tests/test_plan.py``.
 
-Run in a fresh process: ``python tests/plan_probe.py MANIFEST STAGE B F PRECISION BACKWARD CHECKPOINT``; prints one
-JSON line of byte counts, each relative to the resident set after a warm-up.
+Run in a fresh process: ``python tests/plan_probe.py MANIFEST STAGE B F PRECISION BACKWARD CHECKPOINT [runtime
+OFFLOAD]`` (``runtime``: through the node's own ``StageRuntime``, else through a copy of its steps); prints one JSON
+line of byte counts, each relative to the resident set after a warm-up.
 
 How it measures, and why this way: torch's CPU allocator keeps no statistics and ``tracemalloc`` does not see it,
 but every tensor is plain ``malloc`` memory. With ``MALLOC_MMAP_THRESHOLD_`` fixed (the test sets it), glibc
@@ -59,8 +60,9 @@ def run_blocks(stage, x, checkpointing: bool):
     return x
 
 
-def through_runtime(spec: str, index: int, b: int, f: int, precision: str, backward: str, offload: bool) -> dict:
-    """The same measurement through the node's own ``StageRuntime`` (no per-block checkpointing there yet)."""
+def through_runtime(spec: str, index: int, b: int, f: int, precision: str, backward: str, offload: bool,
+                    checkpointing: bool) -> dict:
+    """The same measurement through the node's own ``StageRuntime``."""
     from agora.config import load_manifest
     from agora.server.observers import Observers
     from agora.server.runtime import Counters, RuntimeOptions, StageRuntime
@@ -68,7 +70,8 @@ def through_runtime(spec: str, index: int, b: int, f: int, precision: str, backw
     torch.set_num_threads(1)
     torch.manual_seed(0)
     manifest = load_manifest(spec)
-    options = RuntimeOptions(device="cpu", precision=precision, backward=backward, offload_optimizer=offload)
+    options = RuntimeOptions(device="cpu", precision=precision, backward=backward, offload_optimizer=offload,
+                             checkpoint_blocks=checkpointing)
 
     def batch(rt, n_seq: int) -> list:
         shape, res = rt.manifest.model, rt.manifest.residual
@@ -220,7 +223,8 @@ def main(spec: str, index: int, b: int, f: int, precision: str, backward: str, c
 
 if __name__ == "__main__":
     spec, index, b, f, precision, backward, ckpt = sys.argv[1:8]
-    if len(sys.argv) > 8 and sys.argv[8] == "runtime":  # ckpt is then "offload": 1 or 0
-        print(json.dumps(through_runtime(spec, int(index), int(b), int(f), precision, backward, ckpt == "1")))
+    if len(sys.argv) > 9 and sys.argv[8] == "runtime":
+        print(json.dumps(through_runtime(spec, int(index), int(b), int(f), precision, backward, sys.argv[9] == "1",
+                                         ckpt == "1")))
     else:
         print(json.dumps(main(spec, int(index), int(b), int(f), precision, backward, ckpt == "1")))

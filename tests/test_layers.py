@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module may import from its own layer (siblings such as ``hf`` -> ``model``) or any layer below.
 LAYERS: list[set[str]] = [
     {"config"},
-    {"model", "frames", "wire", "data", "hf", "inference", "interop", "optim", "compression", "sentinel", "trust",
+    {"model", "devices", "frames", "wire", "data", "hf", "inference", "interop", "optim", "compression", "sentinel", "trust",
      "presets", "plan"},
     {"net"},
     {"client"},

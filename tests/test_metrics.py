@@ -92,6 +92,13 @@ def test_node_metrics_grow_with_work():
     assert h2[("agora_compute_seconds_sum", (("kind", "forward"),))] > 0
     assert h2[("agora_averaging_round_seconds_count", (("outcome", "ok"),))] == steps[0]
 
+    # Where the node computes, and its memory: no device peak on a CPU (its tensors are in the resident set).
+    compute = next(dict(labels) for (name, labels) in h2 if name == "agora_compute_info")
+    assert compute == {"device": "cpu", "precision": "fp32", "backward": "stash", "offload_optimizer": "False",
+                       "checkpoint_blocks": "False"}
+    assert h2[("agora_host_peak_rss_bytes", ())] >= h2[("agora_host_rss_bytes", ())] > 50 * 2**20
+    assert ("agora_device_peak_bytes", ()) not in h2
+
     # Nothing left running: hivemind's DHT processes and p2p daemons of this test are gone.
     left = leftover_children(before)
     assert not left, f"processes left behind: {[(p.pid, p.name()) for p in left]}"

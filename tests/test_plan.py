@@ -88,21 +88,21 @@ def test_block_bytes_are_what_autograd_saves(precision, index, one_torch_thread)
 def _probe(spec: str, index: int, b: int, f: int, options: Options, runtime: bool) -> subprocess.Popen:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    flag = options.offload_optimizer if runtime else options.checkpointing
     args = [sys.executable, str(PROBE), spec, str(index), str(b), str(f), options.precision, options.backward,
-            "1" if flag else "0", *(["runtime"] if runtime else [])]
+            "1" if options.checkpointing else "0",
+            *(["runtime", "1" if options.offload_optimizer else "0"] if runtime else [])]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 # (manifest, stage, microbatch, in flight, options, through StageRuntime): head / body / tail, fp32 and bf16, stash
-# and recompute, offloaded or not through the node's own runtime; per-block checkpointing (not in the runtime yet)
-# and a shape with a wide MLP (f = 8d, for the backward's workspace) through the probe's copy of its steps.
+# and recompute, offloaded or not, per-block checkpointing, through the node's own runtime; a shape with a wide MLP
+# (f = 8d, for the backward's workspace) through the probe's copy of its steps.
 CASES = [
     ("small", 1, 8, 2, Options("fp32", "stash"), True),
     ("small", 1, 8, 2, Options("bf16", "recompute", offload_optimizer=True), True),
     ("small", 2, 8, 1, Options("bf16", "stash"), True),
-    ("small", 0, 8, 2, Options("bf16", "stash", checkpointing=True), False),
-    ("small", 2, 8, 1, Options("bf16", "stash", checkpointing=True), False),
+    ("small", 0, 8, 2, Options("bf16", "stash", checkpointing=True), True),
+    ("small", 2, 8, 1, Options("bf16", "stash", checkpointing=True), True),
     ("wide", 1, 8, 2, Options("fp32", "recompute"), False),
 ]
 
@@ -172,8 +172,8 @@ def test_options_are_ordered_cheapest_first():
 
 def test_agora_8b_fits_24gb_with_offload_and_checkpointing():
     """Every agora-8b stage fits 24 GiB with the optimizer offloaded and per-block checkpointing (the tail in fp32:
-    in bf16 the LM head's weight cast, 1 GiB, tips it over); without offload none does. With what the runtime
-    offers today (no checkpointing) the head and bodies fit with ``recompute`` but the tail (6 dense blocks, its
+    in bf16 the LM head's weight cast, 1 GiB, tips it over); without offload none does. Without checkpointing
+    (``--no-checkpointing``) the head and bodies fit with ``recompute`` but the tail (6 dense blocks, its
     4096 x 128256 logits: 6 GiB) does not, and the planner proposes a split that moves three of its layers
     upstream."""
     m = load_manifest("agora-8b")
@@ -184,13 +184,13 @@ def test_agora_8b_fits_24gb_with_offload_and_checkpointing():
         assert c.chosen.options == Options(precision, "stash", offload_optimizer=True, checkpointing=True)
         assert all(p.device_bytes > 24 * GIB for p in c.candidates if not p.options.offload_optimizer)
     assert suggest_split(m, 24) == m.stages
-    today = Search(checkpointing=False)
-    report = plan_report(m, 24, search=today)
+    without = Search(checkpointing=False)
+    report = plan_report(m, 24, search=without)
     assert [s["fits"] for s in report["stages"]] == [True] * 5 + [False]
     assert all(s["chosen"]["options"]["backward"] == "recompute" for s in report["stages"][:5])
     split = report["suggested_split"]
     assert split == [6, 6, 6, 6, 5, 3] and "searched" in report["verdict"]
-    assert plan_report(m.with_overrides(stages=split), 24, search=today)["all_fit"]
+    assert plan_report(m.with_overrides(stages=split), 24, search=without)["all_fit"]
 
 
 def test_too_small_a_gpu_gets_advice_and_a_split():

@@ -13,6 +13,8 @@ from agora.server.node import NodeOptions, StageNode
 from agora.server.observers import Observers
 from agora.server.runtime import Counters, RuntimeOptions, StageRuntime, resolve_device
 from agora.net.dht import make_dht, visible_maddrs
+from agora.ops.status import peak_memory_label
+from agora.roles import node_summary
 from swarm_util import random_batches, wait_until
 
 MAN = load_manifest("tiny").with_overrides(stages=[1, 2, 1])
@@ -57,6 +59,52 @@ def test_recompute_gives_the_gradients_of_a_stashed_graph(mode, step_between):
             assert torch.equal(ga, gb)
     for ua, ub in zip(stash[2][:-1], again[2][:-1]):
         assert torch.equal(ua, ub)
+
+
+@pytest.mark.parametrize("mode", ["subspace", "dense"])
+@pytest.mark.parametrize("backward", ["stash", "recompute"])
+def test_checkpointed_blocks_give_the_gradients_of_a_stashed_graph(mode, backward):
+    """Per-block checkpointing recomputes each block at backward time on the weights its forward ran on (the
+    snapshot), so a step taken while the microbatch is in flight changes nothing: bit-identical loss, parameter
+    gradients and gradients sent upstream, with either backward mode."""
+    manifest = MAN if mode == "subspace" else MAN.with_overrides(**{"residual.mode": "dense", "residual.k": None})
+    tokens = torch.randint(0, manifest.model.vocab_size, (4, manifest.model.seq_len), dtype=torch.int32)
+    last = torch.randint(0, manifest.model.vocab_size, (4,), dtype=torch.int32)
+    plain = _microbatch(_runtimes(RuntimeOptions(), manifest), tokens, last, step_between=True)
+    runtimes = _runtimes(RuntimeOptions(backward=backward, checkpoint_blocks=True), manifest)
+    assert all(rt.stage.checkpoint_blocks for rt in runtimes)
+    again = _microbatch(runtimes, tokens, last, step_between=True)
+    assert plain[0] == again[0]
+    for a, b in zip(plain[1], again[1]):
+        for ga, gb in zip(a, b):
+            assert torch.equal(ga, gb)
+    for ua, ub in zip(plain[2][:-1], again[2][:-1]):
+        assert torch.equal(ua, ub)
+
+
+def test_checkpointed_blocks_keep_only_block_inputs_for_the_backward():
+    """What a stashed microbatch keeps for its backward (autograd's saved tensors outside checkpoints) shrinks to
+    the blocks' inputs, the stage output and what sits outside the blocks; the same count without checkpointing
+    is the whole graph."""
+    manifest = load_manifest("small")
+    x = torch.randn(2, manifest.model.seq_len, manifest.residual.k)
+    tokens = torch.randint(0, manifest.model.vocab_size, (2, manifest.model.seq_len), dtype=torch.int32)
+
+    def saved_bytes(checkpoint_blocks: bool) -> int:
+        rt = StageRuntime(manifest, 1, Counters(), Observers(), options=RuntimeOptions(
+            checkpoint_blocks=checkpoint_blocks))
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            rt.forward([x, tokens, tokens[:, -1]], True, rt.generation)
+        return sum(seen.values())
+
+    with_, without = saved_bytes(True), saved_bytes(False)
+    assert with_ < without / 4, (with_, without)
 
 
 def test_bf16_autocast_stays_close_to_fp32_and_keeps_fp32_master_state():
@@ -104,10 +152,11 @@ def test_a_cuda_stage_computes_what_a_cpu_stage_computes():
 
 def test_a_bf16_replica_and_an_fp32_replica_of_one_stage_train_together():
     """Replicas average their (fp32) gradients whatever precision computed them, so a mixed stage keeps one set
-    of parameters: no state downloads once joined."""
+    of parameters: no state downloads once joined. The bf16 replica also checkpoints its blocks. Each node reports
+    how it computes and its peak memory (summary and record)."""
     manifest = load_manifest("tiny").with_overrides(**{"batch.target_batch_size": 8, "batch.microbatch_size": 4})
-    layout = [(0, RuntimeOptions()), (1, RuntimeOptions()), (1, RuntimeOptions(precision="bf16",
-                                                                                   backward="recompute"))]
+    layout = [(0, RuntimeOptions()), (1, RuntimeOptions()), (1, RuntimeOptions(precision="bf16", backward="recompute",
+                                                                                   checkpoint_blocks=True))]
 
     async def main():
         boot = make_dht(manifest=manifest)
@@ -135,16 +184,26 @@ def test_a_bf16_replica_and_an_fp32_replica_of_one_stage_train_together():
                                                                             tails[1].stage.parameters())),
                              30, "the two tails to hold one set of parameters")
             trainer.close()
-            return [n.sync.rounds_ok for n in tails], [n.sync.resyncs for n in tails]
+            reports = [(node_summary(n)["compute"], n.record().metrics) for n in tails]
+            return [n.sync.rounds_ok for n in tails], [n.sync.resyncs for n in tails], reports
         finally:
             for node in nodes:
                 await node.stop()
             for dht in dhts:
                 dht.shutdown()
 
-    rounds, resyncs = asyncio.run(main())
+    rounds, resyncs, reports = asyncio.run(main())
     assert min(rounds) >= 2, rounds
     assert resyncs == [0, 0], resyncs
+    (plain, plain_record), (mixed, mixed_record) = reports
+    assert (plain["precision"], plain["backward"], plain["checkpoint_blocks"]) == ("fp32", "stash", False)
+    assert (mixed["precision"], mixed["backward"], mixed["checkpoint_blocks"]) == ("bf16", "recompute", True)
+    for compute, record in reports:
+        assert compute["device"] == "cpu" and compute["device_peak_bytes"] is None  # CPU tensors are host memory
+        assert compute["host_peak_rss_bytes"] >= compute["host_rss_bytes"] > 50 * 2**20
+        assert record["host_peak_rss_bytes"] > 50 * 2**20 and "device_peak_bytes" not in record
+        assert peak_memory_label(record).startswith("host ") and peak_memory_label(record).endswith("G")
+    assert peak_memory_label({"host_peak_rss_bytes": 2**31, "device_peak_bytes": 3 * 2**30}) == "gpu 3.0G, host 2.0G"
 
 
 def test_an_offloaded_optimizer_steps_exactly_as_one_beside_the_weights():

@@ -159,6 +159,10 @@ def train_local_cmd(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     shard: Optional[str] = typer.Option(None, help="train on data shard INDEX/COUNT in the order `agora train "
                                                    "--shard` streams it (default: the whole training split)"),
+    device: str = typer.Option("cpu", help="auto (CUDA when available), cpu, cuda or cuda:N"),
+    precision: str = typer.Option("fp32", help="fp32, or bf16 (autocast; weights, gradients, optimizer stay fp32)"),
+    checkpoint_blocks: bool = typer.Option(False, help="per-block activation checkpointing (same gradients, less "
+                                                       "memory)"),
 ) -> None:
     """Centralized baseline: train the whole model in this process; writes summary.json, loss.png, report.html."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -166,9 +170,20 @@ def train_local_cmd(
     from agora.lab.train_local import train_local
     from agora.roles import check_memory
 
+    import torch
+
+    from agora.devices import check_precision, resolve_device
+
     m = _manifest(manifest)
     data_shard = _parse_shard(shard) if shard is not None else None
-    _join_errors(lambda: check_memory(m, None))  # refuse before allocating: an OOM kill explains nothing
+    try:
+        dev = resolve_device(device)
+        check_precision(dev, precision)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2)
+    if dev.type == "cpu":  # a GPU run's host needs far less than the model's training state
+        _join_errors(lambda: check_memory(m, None))  # refuse before allocating: an OOM kill explains nothing
     with Progress(
         TextColumn("[bold]train-local"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
@@ -179,8 +194,14 @@ def train_local_cmd(
         def on_step(rec: dict) -> None:
             progress.update(task, advance=1, loss=f"{rec['loss']:.3f}", tps=f"{rec['tokens'] / rec['wall_s']:.0f}")
 
-        summary = train_local(m, steps, out, eval_every=eval_every, threads=threads, on_step=on_step,
-                              shard=data_shard)
+        try:
+            summary = train_local(m, steps, out, eval_every=eval_every, threads=threads, on_step=on_step,
+                                  shard=data_shard, device=str(dev), precision=precision,
+                                  checkpoint_blocks=checkpoint_blocks)
+        except torch.OutOfMemoryError as err:
+            console.print(f"[red]error:[/red] out of memory on {dev}: {escape(str(err).splitlines()[0])}; try "
+                          f"--precision bf16, --checkpoint-blocks or a smaller batch.microbatch_size")
+            raise typer.Exit(1)
     console.print(
         f"done: {summary['tokens']} tokens in {summary['wall_s']:.1f}s ({summary['tokens_per_s']:.0f} tok/s), "
         f"final train loss {summary['train_loss'][-1]:.3f}, val loss {summary['val_loss']:.3f} -> {out}/summary.json"
@@ -662,6 +683,9 @@ def node(
     backward: str = typer.Option("stash", help="stash: keep each in-flight microbatch's graph; recompute: keep its "
                                                "input and re-run the forward at backward time (less memory)"),
     offload_optimizer: bool = typer.Option(False, help="keep fp32 master weights and Adam moments in host RAM"),
+    checkpoint_blocks: bool = typer.Option(False, help="per-block activation checkpointing: a training forward keeps "
+                                                       "only each block's input; the backward recomputes the block "
+                                                       "(same gradients, less memory, ~1/3 more compute)"),
     curvature_every: int = typer.Option(0, min=0, help="measure this stage's top preconditioned Hessian eigenvalue "
                                                        "every N optimizer steps (0: never); summary and /metrics"),
     curvature_hvps: int = typer.Option(3, min=1, max=5, help="Hessian-vector products per curvature measurement"),
@@ -690,13 +714,14 @@ def node(
 
     try:
         compute = RuntimeOptions(device=str(resolve_device(device)), precision=precision, backward=backward,
-                                 offload_optimizer=offload_optimizer, curvature_every=curvature_every,
-                                 curvature_hvps=curvature_hvps)
+                                 offload_optimizer=offload_optimizer, checkpoint_blocks=checkpoint_blocks,
+                                 curvature_every=curvature_every, curvature_hvps=curvature_hvps)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     console.print(f"computing on {compute.device} in {compute.precision}, backward {compute.backward}"
-                  + (", optimizer offloaded to host RAM" if compute.offload_optimizer else ""))
+                  + (", optimizer offloaded to host RAM" if compute.offload_optimizer else "")
+                  + (", blocks checkpointed" if compute.checkpoint_blocks else ""))
     opts = NodeOptions(compute=compute, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
                        rebalance_every_s=rebalance_every, averaging_timeout_s=averaging_timeout,
                        sentinel=sentinel or sentinel_log is not None,
@@ -837,6 +862,8 @@ def demo(
     device: str = typer.Option("cpu", help="every node's --device (auto, cpu, cuda, cuda:N): a GPU is shared"),
     precision: str = typer.Option("fp32", help="every node's --precision (fp32 or bf16)"),
     backward: str = typer.Option("stash", help="every node's --backward (stash or recompute)"),
+    offload_optimizer: bool = typer.Option(False, help="every node's --offload-optimizer"),
+    checkpoint_blocks: bool = typer.Option(False, help="every node's --checkpoint-blocks"),
     curvature_every: int = typer.Option(0, min=0, help="every node's --curvature-every: measure each stage's top "
                                                        "preconditioned Hessian eigenvalue every N steps"),
     compare_local: bool = typer.Option(False, help="then train the same manifest centrally (train-local) for the "
@@ -883,7 +910,9 @@ def demo(
         link=LinkOptions(mbps=link_mbps, latency_ms=link_latency_ms, backend=link_backend),
         nodes=NodeExtras(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                          args=["--device", device, "--precision", precision, "--backward", backward,
-                               "--curvature-every", str(curvature_every)]),
+                               "--curvature-every", str(curvature_every),
+                               *(["--offload-optimizer"] if offload_optimizer else []),
+                               *(["--checkpoint-blocks"] if checkpoint_blocks else [])]),
         allow_list=allow_list, live=not no_live, dashboard_port=dashboard_port if dashboard else None,
     ))
     mb = summary["microbatches"]
@@ -1105,7 +1134,7 @@ def plan(
     precision: Optional[str] = typer.Option(None, help="only consider fp32 or bf16 (default: both, bf16 first)"),
     checkpointing: Optional[bool] = typer.Option(None, "--checkpointing/--no-checkpointing",
                                                  help="only with / without per-block activation checkpointing "
-                                                      "(default: both; the node runtime has none yet)"),
+                                                      "(a node's --checkpoint-blocks; default: both)"),
     attention: str = typer.Option("sdpa", help="sdpa (fused kernels, O(T) memory) or math (keeps T x T scores)"),
     host_gb: Optional[float] = typer.Option(None, "--host-gb", help="also require the host part to fit this"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),

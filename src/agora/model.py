@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from agora.config import Manifest, ModelShape
 
@@ -175,6 +176,20 @@ class Block(nn.Module):
         steps of an architecture warm-up (``write_scale``)."""
         x = self._write(x, self.self_attn(self.input_layernorm(x), cos, sin, kv), basis, scale)
         return self._write(x, self.mlp(self.post_attention_layernorm(x)), basis, scale)
+
+
+def _checkpointed(block: Block, x: Tensor, cos: Tensor, sin: Tensor, basis: Optional[Tensor], scale: float) -> Tensor:
+    """``block(x)`` keeping only ``x`` for the backward, which recomputes the block first.
+
+    The recomputation runs on the tensors the forward ran on, not on whatever the block holds at backward time: a
+    stage that stashes weights runs its forwards on a snapshot (``torch.func.functional_call``), and its live
+    parameters may have stepped before the backward comes."""
+    weights = dict(block.named_parameters())  # the snapshot's tensors while a functional_call runs
+
+    def run(inp: Tensor) -> Tensor:
+        return torch.func.functional_call(block, weights, (inp, cos, sin, basis), {"scale": scale})
+
+    return checkpoint(run, x, use_reentrant=False)
 
 
 # --------------------------------------------------------------------------- KV cache for incremental decoding
@@ -360,6 +375,9 @@ class Stage(nn.Module):
         # block that joined recently writes at a scale below 1 (``write_scales``, by name; 1 when absent).
         self.active_depth = active_depth(manifest, 0)
         self.write_scales: dict[str, float] = {}
+        # Per-block activation checkpointing (a node's ``--checkpoint-blocks``): a training forward keeps only each
+        # block's input, and the backward recomputes one block at a time. Same gradients, less memory.
+        self.checkpoint_blocks = False
         self.reset_parameters(manifest.seed)
 
     # ------------------------------------------------------------------ init
@@ -399,9 +417,12 @@ class Stage(nn.Module):
         if t > self.shape.seq_len:
             raise ValueError(f"sequence length {t} exceeds the manifest's seq_len {self.shape.seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        recompute = self.checkpoint_blocks and torch.is_grad_enabled()
         for name, block in self.layers.items():
             if int(name) < self.active_depth:
-                x = block(x, cos, sin, self.basis if block.subspace else None, scale=self.write_scales.get(name, 1.0))
+                basis, scale = self.basis if block.subspace else None, self.write_scales.get(name, 1.0)
+                x = (_checkpointed(block, x, cos, sin, basis, scale) if recompute
+                     else block(x, cos, sin, basis, scale=scale))
         return self._to_next_frame(x)
 
     # ------------------------------------------------------------------ architecture warm-up

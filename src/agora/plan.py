@@ -7,9 +7,9 @@ option set that fits a GPU: bf16 before fp32, no offload, stash, no checkpointin
 assume are in ``docs/PLAN.md``; ``tests/test_plan.py`` checks them against autograd's saved tensors, peaks measured
 on CPU (through ``StageRuntime``) and the peaks recorded on an H200.
 
-The options model the node's ``RuntimeOptions`` (issue #15): ``--precision fp32|bf16`` (bf16 = autocast over fp32
-weights), ``--backward stash|recompute``, ``--offload-optimizer``, and per-block activation checkpointing, which
-the runtime does not have yet (``Search(checkpointing=False)`` plans without it).
+The options are the node's ``RuntimeOptions``: ``--precision fp32|bf16`` (bf16 = autocast over fp32 weights),
+``--backward stash|recompute``, ``--offload-optimizer`` and ``--checkpoint-blocks`` (per-block activation
+checkpointing).
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ class Options:
         return ", ".join(words)
 
     def node_flags(self) -> str:
-        """The node options that select this set (checkpointing has no flag name yet: named in words)."""
+        """The ``agora node`` options that select this set."""
         flags = f"--precision {self.precision} --backward {self.backward}"
         if self.offload_optimizer:
             flags += " --offload-optimizer"
         if self.checkpointing:
-            flags += " + per-block activation checkpointing"
+            flags += " --checkpoint-blocks"
         return flags
 
 
@@ -89,7 +89,7 @@ def all_options(precision: Optional[Precision] = None, checkpointing: Optional[b
 @dataclass(frozen=True)
 class Search:
     """Which option sets the search may pick from: one precision only, with or without block checkpointing (None:
-    both). ``checkpointing=False`` plans with what ``StageRuntime`` offers today."""
+    both)."""
 
     precision: Optional[Precision] = None
     checkpointing: Optional[bool] = None

@@ -346,6 +346,9 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "maddrs": node.maddrs,
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),
+        # where and how this peer computed (RuntimeOptions), its device's peak of allocated tensors (CUDA) and the
+        # host resident set now and at its peak
+        "compute": node.runtime.memory(),
         "compute_tid": node.compute_thread_id,
         "helper_pids": {"dht": getattr(node.dht, "pid", None),
                         "averagers": [p for s in syncs if (p := getattr(getattr(s, "averager", None), "pid", None))]},

@@ -88,6 +88,7 @@ def measure_stage(manifest: Manifest, stage: int, options: RuntimeOptions, micro
     _reset_peak(device)
     return {
         "stage": stage, "layers": manifest.stages[stage], "backward": options.backward,
+        "checkpoint_blocks": options.checkpoint_blocks,
         "precision": options.precision, "seconds": seconds, "tokens_per_s": n_tokens / seconds,
         "tflops": flops / seconds / 1e12, "mfu": flops / seconds / 1e12 / peak_tflops if peak_tflops else None,
         "peak_bytes": peak, "peak_kind": "device allocated" if device.type == "cuda" else "process RSS growth",
@@ -102,29 +103,32 @@ def _predicted(manifest: Manifest, stage: int, options: RuntimeOptions, microbat
     # One microbatch in flight and no optimizer step: what this measurement runs.
     return int(predict_stage_bytes(manifest, stage, precision=options.precision, backward=options.backward,
                                    microbatch=microbatch, in_flight=1, offload_optimizer=options.offload_optimizer,
-                                   stepped=False))
+                                   checkpointing=options.checkpoint_blocks, stepped=False))
 
 
 def run(manifest_spec: str, out: Path, device: str = "auto", precision: str = "bf16", microbatch: int = 1,
         repeats: int = 3, stages: Optional[list[int]] = None) -> dict:
-    """Head, one body stage and the tail of ``manifest_spec`` (or ``stages``), in both backward modes."""
+    """Head, one body stage and the tail of ``manifest_spec`` (or ``stages``), in both backward modes, and stashed
+    with per-block checkpointing."""
     manifest = load_manifest(manifest_spec)
     dev = resolve_device(device)
     n = manifest.n_stages
     chosen = stages if stages is not None else sorted({0, n // 2, n - 1})
     rows = []
     for stage in chosen:
-        for backward in ("stash", "recompute"):
-            options = RuntimeOptions(device=str(dev), precision=precision, backward=backward)
+        for backward, checkpoint_blocks in (("stash", False), ("recompute", False), ("stash", True)):
+            options = RuntimeOptions(device=str(dev), precision=precision, backward=backward,
+                                     checkpoint_blocks=checkpoint_blocks)
             rows.append(measure_stage(manifest, stage, options, microbatch, repeats))
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     result = {"manifest": manifest_spec, "manifest_hash": manifest.hash, "device": str(dev), "card": card,
               "cuda": torch.version.cuda, "microbatch": microbatch, "seq_len": manifest.model.seq_len,
               "rows": rows}
     table = markdown_table(
-        ["stage", "layers", "backward", "precision", "s / microbatch", "tokens/s", "TFLOP/s", "MFU",
-         "peak GB", "planned GB"],
-        [[r["stage"], r["layers"], r["backward"], r["precision"], r["seconds"], r["tokens_per_s"], r["tflops"],
+        ["stage", "layers", "backward", "blocks checkpointed", "precision", "s / microbatch", "tokens/s", "TFLOP/s",
+         "MFU", "peak GB", "planned GB"],
+        [[r["stage"], r["layers"], r["backward"], "yes" if r["checkpoint_blocks"] else "no", r["precision"],
+          r["seconds"], r["tokens_per_s"], r["tflops"],
           r["mfu"] if r["mfu"] is not None else "-", r["peak_bytes"] / 1e9,
           r["predicted_bytes"] / 1e9 if r["predicted_bytes"] else "-"] for r in rows])
     md = (f"{manifest_spec} ({manifest.hash}) on {card}, microbatch {microbatch} x {manifest.model.seq_len} "

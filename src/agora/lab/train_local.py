@@ -15,6 +15,7 @@ import torch
 
 from agora.config import Manifest
 from agora.data import build_datasets
+from agora.devices import autocast, check_precision, memory_report, resolve_device
 from agora.model import PipelineModel, count_parameters, flops_per_token, warmup_end, warmup_measurement
 from agora.optim import build_optimizer, lr_at, set_lr
 from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters, warmup_holds
@@ -35,9 +36,11 @@ def tokens_per_step(manifest: Manifest) -> int:
     return max(1, b.target_batch_size // b.microbatch_size) * b.microbatch_size * manifest.model.seq_len
 
 
-def evaluate(model: PipelineModel, batches: list[torch.Tensor]) -> float:
+def evaluate(model: PipelineModel, batches: list[torch.Tensor], precision: str = "fp32") -> float:
     model.eval()
-    losses = [model.loss(b[:, :-1], b[:, 1:]).item() for b in batches]
+    device = next(model.parameters()).device
+    with torch.no_grad(), autocast(device, precision):
+        losses = [model.loss(b[:, :-1].to(device), b[:, 1:].to(device)).item() for b in batches]
     model.train()
     return float(sum(losses) / len(losses))
 
@@ -63,6 +66,9 @@ def train_model(
     curvature_sequences: int = 2,
     curvature_reference_hvps: int = 0,
     curvature_method: str = "lanczos",
+    device: str = "cpu",
+    precision: str = "fp32",
+    checkpoint_blocks: bool = False,
 ) -> tuple[dict, PipelineModel]:
     """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences: (summary, trained model); the
     summary is also written to ``out_dir``.
@@ -76,14 +82,23 @@ def train_model(
     (``ModelCurvature``; a curvature-driven warm-up measures at its manifest's cadence whatever this says);
     ``curvature_reference_hvps``: after the last step's measurement, continue from its vector with that many more
     products at the same point, for the tracker's error against a (nearly) converged value; ``curvature_method``:
-    the tracker's (``CurvatureTracker``)."""
+    the tracker's (``CurvatureTracker``).
+
+    ``device``, ``precision``, ``checkpoint_blocks``: as a node's ``--device``, ``--precision`` (bf16: autocast
+    over fp32 weights) and ``--checkpoint-blocks``; the defaults are the bit-exact CPU baseline."""
+    dev = resolve_device(device)
+    check_precision(dev, precision)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
     train, val, _ = build_datasets(manifest)
     if shard is not None:
         train = train.shard(manifest.seed, *shard)
-    model = PipelineModel(manifest)
+    model = PipelineModel(manifest).to(dev)
+    for stage in model.stages:
+        stage.checkpoint_blocks = checkpoint_blocks
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     opt = build_optimizer(model, manifest.optimizer, seed=manifest.seed)
     mb, target = manifest.batch.microbatch_size, manifest.batch.target_batch_size
     accum = max(1, target // mb)
@@ -97,7 +112,7 @@ def train_model(
     curvature = None
     if every:
         sample = next(train.batches(mb, seed=manifest.seed + 1))[:curvature_sequences]  # its own stream
-        curvature = ModelCurvature(manifest, model, sample, every, curvature_hvps,
+        curvature = ModelCurvature(manifest, model, sample.to(dev), every, curvature_hvps,
                                    reference=(steps, curvature_reference_hvps) if curvature_reference_hvps else None,
                                    method=curvature_method)
     clock, held = 0, 0  # the architecture warm-up's clock (agora.model.active_depth) and the steps it was held
@@ -108,7 +123,7 @@ def train_model(
     tokens = 0
     for step in range(steps):
         lr = set_lr(opt, manifest.optimizer, step)
-        total = train_step(model, opt, batches, accum, manifest.optimizer.grad_clip)
+        total = train_step(model, opt, batches, accum, manifest.optimizer.grad_clip, precision)
         hold = by_curvature and clock < warmup_end(manifest) and curvature.holds(warmup_measurement(manifest, step))
         clock, held = clock + (not hold), held + hold
         model.grow_for_step(clock)  # architecture warm-up (training.warmup_depth): blocks due now join
@@ -120,16 +135,17 @@ def train_model(
         rec = {"step": step, "loss": total, "lr": lr, "tokens": tokens, "wall_s": time.perf_counter() - t0,
                "depth": model.stages[-1].active_depth, "warmup_clock": clock}
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-            evals.append({"step": step, "tokens": tokens, "val_loss": evaluate(model, val_set)})
+            evals.append({"step": step, "tokens": tokens, "val_loss": evaluate(model, val_set, precision)})
         history.append(rec)
         if on_step:
             on_step(rec)
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    val_loss = evaluate(model, val_set)
+    val_loss = evaluate(model, val_set, precision)
     evals.append({"step": steps - 1, "tokens": tokens, "val_loss": val_loss})
     summary = _summary(manifest, steps, tokens, wall, cpu, history, evals)
     summary["curvature"] = curvature.summary() if curvature is not None else None
     summary["warmup"] = {"mode": warm.mode, "clock": clock, "held_steps": held} if warm is not None else None
+    summary["compute"] = {**memory_report(dev), "precision": precision, "checkpoint_blocks": checkpoint_blocks}
     if out_dir is not None:
         _write(summary, Path(out_dir))
     return summary, model
@@ -194,12 +210,14 @@ class ModelCurvature:
         return out
 
 
-def train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float) -> float:
+def train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float, precision: str = "fp32") -> float:
     """One optimizer step over ``accum`` microbatches; returns the step's mean training loss."""
     total = 0.0
+    device = next(model.parameters()).device
     for _ in range(accum):
-        b = next(batches)
-        loss = model.loss(b[:, :-1], b[:, 1:]) / accum
+        b = next(batches).to(device)
+        with autocast(device, precision):
+            loss = model.loss(b[:, :-1], b[:, 1:]) / accum
         loss.backward()
         total += loss.item()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

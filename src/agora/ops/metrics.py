@@ -153,6 +153,21 @@ class NodeCollector(Collector):
                                       value=frames.applied)
             yield CounterMetricFamily("agora_upm_rotations_late", "UPM: rotations applied after their step had "
                                       "passed (the replica is then repaired by a state download).", value=frames.late)
+        if n.runtime is not None:
+            mem = n.runtime.memory()
+            yield InfoMetricFamily("agora_compute", "Where and how this peer computes its stage.",
+                                   value={k: str(mem[k]) for k in ("device", "precision", "backward",
+                                                                   "offload_optimizer", "checkpoint_blocks")})
+            if mem["device_peak_bytes"] is not None:
+                yield GaugeMetricFamily("agora_device_peak_bytes", "Most device memory held by tensors at once since "
+                                        "the node started (CUDA allocator).", value=mem["device_peak_bytes"])
+                yield GaugeMetricFamily("agora_device_allocated_bytes", "Device memory held by tensors now.",
+                                        value=mem["device_allocated_bytes"])
+            yield GaugeMetricFamily("agora_host_peak_rss_bytes", "Largest resident set of this process so far.",
+                                    value=mem["host_peak_rss_bytes"])
+            if mem["host_rss_bytes"] is not None:
+                yield GaugeMetricFamily("agora_host_rss_bytes", "Resident set of this process now.",
+                                        value=mem["host_rss_bytes"])
         yield StateSetMetricFamily("agora_peer_state", "Lifecycle state of this peer.",
                                    value={s.value: n.state == s for s in PeerState})
 

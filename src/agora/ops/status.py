@@ -124,9 +124,18 @@ def relayed_boundaries(stages: list[dict]) -> list[dict]:
     return out
 
 
+def peak_memory_label(metrics: dict) -> str:
+    """A peer's peak memory from its record: the GPU's (when it computes on one) and the host resident set's."""
+    host, device = metrics.get("host_peak_rss_bytes"), metrics.get("device_peak_bytes")
+    parts = ([f"gpu {device / 2**30:.1f}G"] if device is not None else []) + (
+        [f"host {host / 2**30:.1f}G"] if host is not None else [])
+    return ", ".join(parts) or "-"
+
+
 def render_status(snap: dict) -> Table:
     table = Table(title=f"run {snap['run_id']} (manifest {snap['manifest_hash']})")
-    cols = ("stage", "peer", "state", "reached", "tokens/s", "step", "queue", "fwd", "bwd", "rejected", "claimed", "acked")
+    cols = ("stage", "peer", "state", "reached", "tokens/s", "step", "queue", "fwd", "bwd", "rejected", "claimed", "acked",
+            "peak memory")
     for col in cols:
         table.add_column(col)
     for stage in snap["stages"]:
@@ -139,7 +148,7 @@ def render_status(snap: dict) -> Table:
                 f"{stage['stage']}{mark}", p["short_id"], p["state"], p.get("reachability") or "-",
                 f"{p['throughput']:.0f}", str(p["step"]),
                 str(p["queue"]), str(m.get("forward", "")), str(m.get("backward", "")), str(m.get("rejected", "")),
-                str(p.get("claimed", "")), str(p.get("acknowledged", "")),
+                str(p.get("claimed", "")), str(p.get("acknowledged", "")), peak_memory_label(m),
             )
     mb = snap["microbatches"]
     table.caption = (

@@ -507,6 +507,7 @@ class StageNode:
                 "bytes_out": self.stats_out.payload_bytes_sent, "bytes_in": self.stats_in.payload_bytes_received,
                 "busy_s": c.busy_s, "moves": self.moves, "utilisation": self.utilisation(),
                 **self._curvature_metrics(rt),
+                **self._memory_metrics(rt),
             },
         )
 
@@ -517,6 +518,15 @@ class StageNode:
     def utilisation(self) -> float:
         """Compute seconds (forward, backward, steps) over seconds alive: what averaging and waiting leave."""
         return self.counters.busy_s / max(1e-9, time.monotonic() - self.started_at)
+
+    @staticmethod
+    def _memory_metrics(rt) -> dict:
+        """Peak memory for ``agora status``: the device's (CUDA only) and the host resident set's."""
+        mem = rt.memory()
+        out = {"host_peak_rss_bytes": float(mem["host_peak_rss_bytes"])}
+        if mem["device_peak_bytes"] is not None:
+            out["device_peak_bytes"] = float(mem["device_peak_bytes"])
+        return out
 
     @staticmethod
     def _curvature_metrics(rt) -> dict:

@@ -12,7 +12,6 @@ gradient is then moved to the live parameters. ``version`` counts every change o
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import math
@@ -26,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from agora.config import Manifest
+from agora.devices import PRECISIONS, autocast, check_precision, memory_report, resolve_device
 from agora.model import KVCache, Stage, tied_parameter
 from agora.frames import FRAME_MAP, check_frame_map
 from agora.server.upm import FRAME_EPOCHS, FrameLedger
@@ -114,7 +114,7 @@ def trim_heap() -> None:
     if libc is not None:
         libc.malloc_trim(0)
 
-PRECISIONS = ("fp32", "bf16")
+
 # The optimizer state a stage exports per parameter (``opt/<key>/<name>``): Adam's moments, Muon's momentum, the step.
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "step")
 # Parameter values at this many seeded positions (the same on every replica of a stage) go into the peer's record:
@@ -122,25 +122,6 @@ OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "step")
 PARAMETER_SAMPLE = 128
 SYNC_PREFIX = "sync/"  # names of the averaging scheme's own state in export_state (StageRuntime.sync_state)
 BACKWARDS = ("stash", "recompute")
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; a clear error for anything else
-    or for a CUDA device this machine does not have."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {spec!r}: only cpu and cuda devices are supported")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {spec}: this machine has no CUDA device torch can use")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {spec}: there are only {torch.cuda.device_count()} CUDA devices")
-    return device
 
 
 @dataclass(frozen=True)
@@ -156,6 +137,9 @@ class RuntimeOptions:
       (same gradients, one microbatch's activations in memory at a time)
     :param offload_optimizer: the optimizer keeps fp32 master copies and its moments in host RAM and steps there;
       the device holds the weights and gradients only (3 of every 5 fp32 words of training state leave it)
+    :param checkpoint_blocks: per-block activation checkpointing inside the stage: a training forward keeps only each
+      block's input and the backward recomputes one block at a time (same gradients; ``agora plan`` says when a
+      stage needs it)
     :param curvature_every: measure the stage's top preconditioned Hessian eigenvalue after every N-th optimizer
       step (0: never; server/curvature.py), with ``curvature_hvps`` Hessian-vector products, spending at most
       ``curvature_budget`` of the compute time on it
@@ -165,6 +149,7 @@ class RuntimeOptions:
     precision: str = "fp32"
     backward: str = "stash"
     offload_optimizer: bool = False  # fp32 master weights, Adam moments and the step in host RAM
+    checkpoint_blocks: bool = False
     curvature_every: int = 0
     curvature_hvps: int = 3
     curvature_budget: float = 0.05
@@ -236,10 +221,9 @@ class StageRuntime:
         self.stage_index = stage_index
         self.options = options
         self.device = resolve_device(options.device)
-        if options.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"--precision bf16: {torch.cuda.get_device_name(self.device)} has no native bf16; "
-                             f"use --precision fp32")
+        check_precision(self.device, options.precision)
         self.stage = Stage(manifest, stage_index).to(self.device)
+        self.stage.checkpoint_blocks = options.checkpoint_blocks
         self.is_head, self.is_tail = self.stage.spec.is_head, self.stage.spec.is_tail
         # What the optimizer steps: the stage's own parameters, or their host copies (offload). ``_master`` maps
         # each parameter to the tensor the optimizer holds state for.
@@ -409,9 +393,14 @@ class StageRuntime:
         return tensor.to(self.device, non_blocking=True) if tensor.device != self.device else tensor
 
     def _autocast(self):
-        if self.options.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast(self.device, self.options.precision)
+
+    def memory(self) -> dict:
+        """How this peer computes and the memory it used: device peak (CUDA), host resident set now and at its peak
+        (``agora.devices.memory_report``). For summaries, records and /metrics."""
+        o = self.options
+        return {**memory_report(self.device), "precision": o.precision, "backward": o.backward,
+                "offload_optimizer": o.offload_optimizer, "checkpoint_blocks": o.checkpoint_blocks}
 
     def boundary(self, pending: Pending) -> Boundary:
         """What this (non-tail) stage sends downstream for ``pending``: the compressed output, through the output
