@@ -3,15 +3,24 @@
 import json
 import math
 
+import pytest
+
 from agora.bench.efficiency import EfficiencyOptions, run
 
 
 def test_tiny_swarm_trains_the_centralized_tokens_and_counts_its_helpers_cpu(tmp_path):
+    """In bf16 (both arms: the option reaches train-local and every node, as a GPU run needs it)."""
     steps = 4
     result = run(tmp_path, EfficiencyOptions(preset="tiny", steps=steps, stages=2, replicas=2, in_flight=2,
-                                             repeats=1), log=lambda _: None)
+                                             repeats=1, precision="bf16"), log=lambda _: None)
     r = result["runs"][0]
     central, swarm = r["centralized"], r["swarm"]
+    assert (result["device"], result["card"], result["precision"]) == ("cpu", "cpu", "bf16")
+    demo = json.loads((tmp_path / "repeat1" / "swarm" / "summary.json").read_text())
+    computed = demo["compute_per_node"]
+    assert len(computed) == 4 and all(c["device"] == "cpu" and c["precision"] == "bf16" for c in computed.values())
+    assert json.loads((tmp_path / "repeat1" / "centralized" / "summary.json").read_text())["compute"]["precision"] \
+        == "bf16"
 
     # Equal tokens, exactly: the trainer never lets in-flight microbatches carry it past the budget.
     assert central["tokens"] == steps * 16 * 64
@@ -46,6 +55,12 @@ def test_tiny_swarm_trains_the_centralized_tokens_and_counts_its_helpers_cpu(tmp
     written = json.loads((tmp_path / "result.json").read_text())
     assert written["summary"]["loss_ratio"]["median"] == r["loss_ratio"]
     assert "Per role" in (tmp_path / "result.md").read_text()
+
+
+def test_a_device_this_machine_lacks_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ValueError, match="--device 'gpu0'"):
+        run(tmp_path, EfficiencyOptions(preset="tiny", device="gpu0"), log=lambda _: None)
+    assert not any(tmp_path.iterdir())
 
 
 def test_stages_settle_only_when_every_serving_replica_announced_nothing_pending_after_the_trainer_stopped():

@@ -284,14 +284,22 @@ def bench_efficiency(
     averaging: Optional[str] = typer.Option(None, help="replica averaging of the swarm runs: full, powersgd or sparse, "
                                                        "optionally with settings: 'powersgd,rank=8', "
                                                        "'sparse,every=5,rho=0.05' (default: the preset's)"),
+    device: str = typer.Option("cpu", help="both arms: train-local's and every node's --device (auto, cpu, cuda, "
+                                           "cuda:N); on one GPU the nodes share it"),
+    precision: str = typer.Option("fp32", help="both arms' --precision (fp32 or bf16)"),
 ) -> None:
     """Swarm vs centralized on equal tokens: tokens per CPU-second of the training window (every process of the
     swarm), wall tokens/s and validation loss on the same held-out batches; median and min-max over the repeats.
     Capped links: ``agora bench links``."""
     from agora.bench.efficiency import EfficiencyOptions, run
 
-    run(out, EfficiencyOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
-                               averaging=averaging, repeats=repeats), log=console.print)
+    try:
+        run(out, EfficiencyOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
+                                   averaging=averaging, repeats=repeats, device=device, precision=precision),
+            log=console.print)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2)
 
 
 @bench_app.command("links")

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
-from agora.lab.demo import DemoOptions, StopRule, SwarmShape, demo_manifest, run_demo
+from agora.devices import check_precision, resolve_device
+from agora.lab.demo import DemoOptions, NodeExtras, StopRule, SwarmShape, demo_manifest, run_demo
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import tokens_per_step, train_local
 
@@ -49,6 +50,10 @@ class EfficiencyOptions:
     averaging: Optional[str] = None
     repeats: int = 3
     val_batches: int = 4
+    # Where both arms compute: the centralized run and every stage node (``--device``/``--precision``). On one GPU
+    # the swarm's nodes share the card; issue #15's target is its wall tokens/s against the centralized run's.
+    device: str = "cpu"
+    precision: str = "fp32"
 
 
 SWARM_TIMEOUT_S = 3600  # each swarm run gives up after this long
@@ -60,6 +65,9 @@ def run(out: Path, options: Optional[EfficiencyOptions] = None, log: Callable[[s
     if opts.repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {opts.repeats}")
     out = Path(out)
+    device = resolve_device(opts.device)
+    check_precision(device, opts.precision)
+    card = _card(device)
     manifest = demo_manifest(opts.preset, opts.stages, averaging=opts.averaging)
     scheme = _scheme_label(manifest.averaging)
     cores = os.cpu_count() or 1
@@ -68,20 +76,22 @@ def run(out: Path, options: Optional[EfficiencyOptions] = None, log: Callable[[s
     for i in range(opts.repeats):
         folder = out / f"repeat{i + 1}"
         log(f"[efficiency] repeat {i + 1}/{opts.repeats}: centralized: {opts.preset}, {opts.steps} steps "
-            f"({budget} tokens), {cores} threads")
+            f"({budget} tokens), {cores} threads, on {card} in {opts.precision}")
         central = train_local(manifest, opts.steps, folder / "centralized", val_batches=opts.val_batches,
-                              threads=cores)
+                              threads=cores, device=str(device), precision=opts.precision)
         log(f"[efficiency] repeat {i + 1}/{opts.repeats}: swarm: {opts.stages} stages x {opts.replicas} replicas, "
             f"{central['tokens']} tokens, {scheme} averaging")
         swarm = run_demo(DemoOptions(
             out=folder / "swarm", shape=_swarm_shape(opts, val_batches=opts.val_batches),
             stop=StopRule(steps=opts.steps, tokens=central["tokens"], exact_tokens=True, timeout=SWARM_TIMEOUT_S),
+            nodes=NodeExtras(args=["--device", str(device), "--precision", opts.precision]),
             live=False, sample_tokens=0))
         runs.append(compare(central, swarm, folder / "swarm"))
     result = {"preset": opts.preset, "steps": opts.steps, "stages": opts.stages, "replicas": opts.replicas,
               "in_flight": opts.in_flight, "cores": cores, "repeats": opts.repeats, "val_batches": opts.val_batches,
+              "device": str(device), "card": card, "precision": opts.precision,
               "averaging": manifest.averaging.model_dump(mode="json"), "runs": runs, "summary": summarize_runs(runs)}
-    md = _comparison_markdown(runs, result["summary"], scheme)
+    md = f"On {card} ({device}) in {opts.precision}.\n\n" + _comparison_markdown(runs, result["summary"], scheme)
     write_result(out, "efficiency", result, md)
     log(md)
     return result
@@ -134,6 +144,13 @@ def summarize_runs(runs: list[dict]) -> dict:
 def _swarm_shape(opts: EfficiencyOptions, val_batches: int = 4) -> SwarmShape:
     return SwarmShape(preset=opts.preset, stages=opts.stages, replicas=opts.replicas, in_flight=opts.in_flight,
                       averaging=opts.averaging, val_batches=val_batches)
+
+
+def _card(device) -> str:
+    """The accelerator's name (or ``cpu``), for the report."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _scheme_label(a) -> str:

@@ -174,6 +174,8 @@ def summarize(children: list[Child], manifest: Manifest, record: RunRecord, targ
         "rounds_failed": sum(s.get("rounds_failed", 0) for _, s in nodes),
         "averaging_scheme": manifest.averaging.scheme,
         "averaging_bytes_sent": sum(s.get("averaging_bytes_sent", 0) for _, s in nodes),
+        # per node: where and in which precision it computed, its device's peak (CUDA) and host resident set
+        "compute_per_node": {c.name: s.get("compute") for c, s in nodes},
         "chaos_kills": record.kills,
         "timeline": record.timeline,
         "completions": _completions(trainers, record.t0),
