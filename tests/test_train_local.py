@@ -47,3 +47,16 @@ def test_checkpointed_blocks_train_bit_identically_and_bf16_stays_close():
     assert plain["compute"]["device"] == "cpu" and plain["compute"]["host_peak_rss_bytes"] > 0
     with pytest.raises(ValueError, match="--precision"):
         train_local(m, steps=1, precision="fp16")
+
+
+def test_train_local_refuses_a_device_or_precision_it_cannot_use(tmp_path):
+    from typer.testing import CliRunner
+
+    from agora.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["train-local", "--device", "gpu0", "--steps", "1", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "use auto, cpu, cuda or cuda:N" in res.output, res.output
+    res = runner.invoke(app, ["train-local", "--precision", "fp16", "--steps", "1", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "--precision 'fp16'" in res.output, res.output
+    assert not (tmp_path / "summary.json").exists()

@@ -165,14 +165,12 @@ def train_local_cmd(
                                                        "memory)"),
 ) -> None:
     """Centralized baseline: train the whole model in this process; writes summary.json, loss.png, report.html."""
+    import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from agora.devices import check_precision, resolve_device
     from agora.lab.train_local import train_local
     from agora.roles import check_memory
-
-    import torch
-
-    from agora.devices import check_precision, resolve_device
 
     m = _manifest(manifest)
     data_shard = _parse_shard(shard) if shard is not None else None
