@@ -32,3 +32,19 @@ def test_the_serial_swarm_matches_centralized_and_every_stage_steps_once_per_bat
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["benchmark"] == "convergence" and (tmp_path / "convergence.png").stat().st_size > 0
     assert "ratio to centralized" in (tmp_path / "result.md").read_text()
+
+
+def test_the_noise_row_is_centralized_again_on_another_thread_count_and_restores_it(tmp_path):
+    """``centralized_1thread`` runs no swarm: the centralized arm again with another float summation order, so its
+    ratio is what rounding alone does at this horizon. The process's thread count is left as it was."""
+    import torch
+
+    before = torch.get_num_threads()
+    opts = ConvergenceOptions(preset="tiny", steps=3, stages=2, seeds=(0,), rows=("centralized_1thread",),
+                              val_batches=2)
+    result = run(tmp_path, opts, log=lambda _: None)
+    assert list(result["rows"]) == ["centralized", "centralized_1thread"]
+    noise = next(r for r in result["runs"] if r["row"] == "centralized_1thread")
+    assert noise["threads"] == (2 if before == 1 else 1) and torch.get_num_threads() == before
+    assert noise["tokens"] == 3 * 16 * 64 and abs(noise["loss_ratio"] - 1) < 1e-3, noise
+    assert not any(p.name == "procs" for p in tmp_path.rglob("*"))  # no swarm ran

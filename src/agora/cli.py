@@ -379,7 +379,9 @@ def bench_convergence(
                                                   "powersgd, powersgd_no_dense, powersgd_cold, sparse, diloco, gossip, "
                                                   "in_flight_overlap, replicas_overlap, all, all_no_overlap, all_overlap, "
                                                   "all_capped, all_capped_no_overlap, all_capped_overlap, upm, upm_5s, nadam, "
-                                                  "nadam_lookahead, nadam_no_overlap (default: all that apply)"),
+                                                  "nadam_lookahead, nadam_no_overlap, centralized_1thread (the "
+                                                  "float noise floor; only when named) (default: every swarm row "
+                                                  "that applies)"),
     link_mbps: Optional[float] = typer.Option(None, help="add the all_capped rows: every link capped at this rate"),
     val_batches: int = typer.Option(4, min=1),
     diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round, the "

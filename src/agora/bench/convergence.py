@@ -30,6 +30,9 @@ rows add one source of difference at a time to ``serial``, then all together:
   nadam           ``all_overlap`` with NAdam (betas 0.99, 0.999: the asynchronous-pipeline recipe) instead of AdamW
   nadam_lookahead ``nadam`` with the look-ahead: forwards while a step is pending run one predicted update ahead
   nadam_no_overlap ``nadam`` with overlap off (no forward waits on a pending step: nothing for a look-ahead to do)
+  centralized_1thread  no swarm: centralized again with one torch thread (the nodes' count) instead of the
+                  machine's cores. The same computation with another float summation order: how far apart rounding
+                  alone leaves two runs at this horizon, the floor under every ratio above
 
 The NAdam rows are compared with a centralized NAdam run of the same seed (``centralized_nadam``), not with AdamW's.
 
@@ -46,15 +49,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from agora.bench.common import markdown_table, write_result
 from agora.lab.demo import DemoOptions, LinkOptions, NodeExtras, StopRule, SwarmShape, demo_manifest, run_demo
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
 
+# Not a swarm: the centralized arm again on one torch thread, for the float noise floor of a ratio (see above).
+NOISE_ROW = "centralized_1thread"
 ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense", "powersgd_cold", "sparse",
         "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all", "all_no_overlap", "all_overlap",
         "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam", "nadam_lookahead",
-        "nadam_no_overlap")
+        "nadam_no_overlap", NOISE_ROW)
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
@@ -134,11 +141,11 @@ class ConvergenceOptions:
             shapes["all_capped_overlap"] = row(r, f, True, mbps=self.link_mbps)
         if self.rows is None:
             return shapes
-        unknown = [name for name in self.rows if name not in shapes]
+        unknown = [name for name in self.rows if name not in shapes and name != NOISE_ROW]
         if unknown:
-            raise ValueError(f"unknown or inapplicable rows {unknown}; choose from {sorted(shapes)} "
+            raise ValueError(f"unknown or inapplicable rows {unknown}; choose from {sorted([*shapes, NOISE_ROW])} "
                              f"(all_capped rows need link_mbps)")
-        return {name: shapes[name] for name in self.rows}
+        return {name: shapes[name] for name in self.rows if name != NOISE_ROW}
 
 
 def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[str], None] = print) -> dict:
@@ -161,6 +168,13 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
                 runs.append(centrals[key]["run"])
             log(f"convergence: seed {seed}: {name} ({_describe(shape)})")
             runs.append(_swarm_row(folder / name, opts, seed, name, shape, centrals[key]))
+            _write(out, opts, runs)
+        if opts.rows is not None and NOISE_ROW in opts.rows:
+            central = centrals.get(()) or _centralized(folder, opts, seed, "centralized", {}, log)
+            if () not in centrals:
+                centrals[()] = central
+                runs.append(central["run"])
+            runs.append(_noise_row(folder, opts, seed, central, log))
             _write(out, opts, runs)
     result, md = _write(out, opts, runs)
     log(md)
@@ -188,6 +202,25 @@ def _centralized(folder: Path, opts: ConvergenceOptions, seed: int, arm: str, se
                       "curve": [[h["tokens"], h["loss"]] for h in central["history"]],
                       "val_curve": [[e["tokens"], e["val_loss"]] for e in central["evals"]]}
     return central
+
+
+def _noise_row(folder: Path, opts: ConvergenceOptions, seed: int, central: dict, log: Callable[[str], None]) -> dict:
+    """``centralized_1thread``: the centralized arm on one torch thread (unless it already ran on one, then on two),
+    compared with it like a swarm row."""
+    threads = 2 if central["threads"] == 1 else 1
+    manifest = demo_manifest(opts.preset, opts.stages, seed=seed)
+    log(f"convergence: seed {seed}: {NOISE_ROW} (centralized on {threads} torch thread(s) instead of "
+        f"{central['threads']})")
+    before = torch.get_num_threads()
+    try:
+        again = train_local(manifest, opts.steps, folder / NOISE_ROW, val_batches=opts.val_batches,
+                            eval_every=max(1, opts.steps // 5), shard=(0, 1), threads=threads)
+    finally:
+        torch.set_num_threads(before)  # the next seed's centralized arm runs as the first did
+    return {"seed": seed, "row": NOISE_ROW, "tokens": again["tokens"], "val_loss": again["val_loss"],
+            "loss_ratio": again["val_loss"] / central["val_loss"], "threads": threads,
+            "steps_per_stage": {str(s): opts.steps for s in range(opts.stages)}, "wall_s": again["wall_s"],
+            "curve": [[h["tokens"], h["loss"]] for h in again["history"]]}
 
 
 def _describe(shape: dict) -> str:
