@@ -82,6 +82,28 @@ def test_checkpointed_blocks_give_the_gradients_of_a_stashed_graph(mode, backwar
         assert torch.equal(ua, ub)
 
 
+def test_a_checkpointed_block_recomputes_with_the_attention_kernels_of_its_forward():
+    """The attention kernel flags are process-wide: another node's curvature measurement in this process may switch
+    to the math kernel between our forward and our backward. The recomputation still uses the forward's kernels
+    (another kernel saves other tensors, which the checkpoint would refuse) and gives the same gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from agora.model import Stage
+
+    stage = Stage(MAN, 1)
+    x = torch.randn(2, MAN.model.seq_len, MAN.residual.k)
+    grads = {}
+    for checkpointed in (False, True):
+        stage.checkpoint_blocks = checkpointed
+        stage.zero_grad(set_to_none=True)
+        out = stage(x @ stage.basis.T)
+        with sdpa_kernel(SDPBackend.MATH):
+            out.pow(2).sum().backward()
+        grads[checkpointed] = [p.grad for p in stage.parameters() if p.grad is not None]
+    assert len(grads[True]) == len(grads[False]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
 def test_checkpointed_blocks_keep_only_block_inputs_for_the_backward():
     """What a stashed microbatch keeps for its backward (autograd's saved tensors outside checkpoints) shrinks to
     the blocks' inputs, the stage output and what sits outside the blocks; the same count without checkpointing
@@ -197,6 +219,7 @@ def test_a_bf16_replica_and_an_fp32_replica_of_one_stage_train_together():
     assert resyncs == [0, 0], resyncs
     (plain, plain_record), (mixed, mixed_record) = reports
     assert (plain["precision"], plain["backward"], plain["checkpoint_blocks"]) == ("fp32", "stash", False)
+    assert plain["curvature_every"] == 0 and "curvature_hvps" in mixed  # the options and the memory, one key
     assert (mixed["precision"], mixed["backward"], mixed["checkpoint_blocks"]) == ("bf16", "recompute", True)
     for compute, record in reports:
         assert compute["device"] == "cpu" and compute["device_peak_bytes"] is None  # CPU tensors are host memory
@@ -204,6 +227,9 @@ def test_a_bf16_replica_and_an_fp32_replica_of_one_stage_train_together():
         assert record["host_peak_rss_bytes"] > 50 * 2**20 and "device_peak_bytes" not in record
         assert peak_memory_label(record).startswith("host ") and peak_memory_label(record).endswith("G")
     assert peak_memory_label({"host_peak_rss_bytes": 2**31, "device_peak_bytes": 3 * 2**30}) == "gpu 3.0G, host 2.0G"
+    # another peer's record is untrusted: a malformed value is left out, never an error
+    assert peak_memory_label({"host_peak_rss_bytes": "lots", "device_peak_bytes": float("nan")}) == "-"
+    assert peak_memory_label({"host_peak_rss_bytes": -1.0, "device_peak_bytes": True}) == "-"
 
 
 def test_an_offloaded_optimizer_steps_exactly_as_one_beside_the_weights():

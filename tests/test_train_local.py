@@ -5,7 +5,7 @@ import json
 import pytest
 
 from agora.config import load_manifest
-from agora.lab.train_local import train_local
+from agora.lab.train_local import train_local, train_model
 
 
 def test_fifty_tiny_steps_lower_the_loss_and_write_outputs(tmp_path):
@@ -39,7 +39,8 @@ def test_checkpointed_blocks_train_bit_identically_and_bf16_stays_close():
     ``--precision bf16`` (autocast) stays within 2% of fp32 and is not fp32 in disguise. The summary says how."""
     m = load_manifest("tiny")
     plain = train_local(m, steps=4, val_batches=2)
-    checkpointed = train_local(m, steps=4, val_batches=2, checkpoint_blocks=True)
+    checkpointed, model = train_model(m, steps=4, val_batches=2, checkpoint_blocks=True)
+    assert all(stage.checkpoint_blocks for stage in model.stages)  # the option reached every stage
     bf16 = train_local(m, steps=4, val_batches=2, precision="bf16")
     assert checkpointed["train_loss"] == plain["train_loss"] and checkpointed["val_loss"] == plain["val_loss"]
     assert bf16["val_loss"] == pytest.approx(plain["val_loss"], rel=2e-2) and bf16["val_loss"] != plain["val_loss"]

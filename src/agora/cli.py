@@ -180,8 +180,9 @@ def train_local_cmd(
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
-    if dev.type == "cpu":  # a GPU run's host needs far less than the model's training state
-        _join_errors(lambda: check_memory(m, None))  # refuse before allocating: an OOM kill explains nothing
+    # Refuse before allocating: an OOM kill explains nothing. (The model is built in host memory first, also for a
+    # GPU; as for `agora node`, the check counts its whole training state.)
+    _join_errors(lambda: check_memory(m, None))
     with Progress(
         TextColumn("[bold]train-local"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
@@ -291,13 +292,16 @@ def bench_efficiency(
     Capped links: ``agora bench links``."""
     from agora.bench.efficiency import EfficiencyOptions, run
 
-    try:
-        run(out, EfficiencyOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
-                                   averaging=averaging, repeats=repeats, device=device, precision=precision),
-            log=console.print)
+    from agora.devices import check_precision, resolve_device
+
+    try:  # refuse a device or precision this machine cannot use before anything runs
+        check_precision(resolve_device(device), precision)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
+    run(out, EfficiencyOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
+                               averaging=averaging, repeats=repeats, device=device, precision=precision),
+        log=console.print)
 
 
 @bench_app.command("links")

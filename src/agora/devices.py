@@ -52,22 +52,26 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def _status_bytes(key: str) -> Optional[int]:
-    """A ``/proc/self/status`` size (Linux), in bytes; None elsewhere."""
+def _status_bytes(*keys: str) -> dict[str, int]:
+    """Sizes from one read of ``/proc/self/status`` (Linux), in bytes: {key: bytes} for the keys found."""
+    found = {}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
+            key, _, rest = line.partition(":")
+            if key in keys:
+                found[key] = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        return {}
+    return found
 
 
 def memory_report(device: torch.device) -> dict:
     """This process's memory: the device's peak of allocated tensors (CUDA's allocator statistics; None on a CPU,
     where the tensors are host memory and count in the resident set), and the host resident set now and at its
-    peak. Cheap: no synchronisation, no allocation."""
-    peak_rss = _status_bytes("VmHWM")
+    peak (read together, so the peak is never below the current value). Cheap: no synchronisation, no
+    allocation."""
+    status = _status_bytes("VmRSS", "VmHWM")
+    peak_rss = status.get("VmHWM")
     if peak_rss is None:  # not Linux: ru_maxrss is KiB on Linux and BSDs, bytes on macOS
         scale = 1 if sys.platform == "darwin" else 1024
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
@@ -76,4 +80,4 @@ def memory_report(device: torch.device) -> dict:
         device_peak = int(torch.cuda.max_memory_allocated(device))
         device_now = int(torch.cuda.memory_allocated(device))
     return {"device": str(device), "device_peak_bytes": device_peak, "device_allocated_bytes": device_now,
-            "host_rss_bytes": _status_bytes("VmRSS"), "host_peak_rss_bytes": int(peak_rss)}
+            "host_rss_bytes": status.get("VmRSS"), "host_peak_rss_bytes": int(peak_rss)}

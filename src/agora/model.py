@@ -21,6 +21,7 @@ stage's ``KVCache``; without a cache the forward is the training one, unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from agora.config import Manifest, ModelShape
@@ -178,18 +180,35 @@ class Block(nn.Module):
         return self._write(x, self.mlp(self.post_attention_layernorm(x)), basis, scale)
 
 
+# The attention kernels ``scaled_dot_product_attention`` may choose (process-wide flags), and what asks for each.
+_SDPA_FLAGS = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+               (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+               (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
+               (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled))
+
+
+def _recompute_with_the_forwards_kernels():
+    """``checkpoint``'s context_fn: the recomputation uses the attention kernels the forward could use. Another
+    thread (a curvature measurement of another node in this process) may have switched the flags in between, and a
+    different kernel saves different tensors, which the checkpoint refuses."""
+    enabled = [backend for backend, on in _SDPA_FLAGS if on()]
+    return contextlib.nullcontext(), sdpa_kernel(enabled) if enabled else contextlib.nullcontext()
+
+
 def _checkpointed(block: Block, x: Tensor, cos: Tensor, sin: Tensor, basis: Optional[Tensor], scale: float) -> Tensor:
     """``block(x)`` keeping only ``x`` for the backward, which recomputes the block first.
 
     The recomputation runs on the tensors the forward ran on, not on whatever the block holds at backward time: a
     stage that stashes weights runs its forwards on a snapshot (``torch.func.functional_call``), and its live
-    parameters may have stepped before the backward comes."""
+    parameters may have stepped before the backward comes. The model draws no random numbers, so the RNG state is
+    not saved."""
     weights = dict(block.named_parameters())  # the snapshot's tensors while a functional_call runs
 
     def run(inp: Tensor) -> Tensor:
         return torch.func.functional_call(block, weights, (inp, cos, sin, basis), {"scale": scale})
 
-    return checkpoint(run, x, use_reentrant=False)
+    return checkpoint(run, x, use_reentrant=False, preserve_rng_state=False,
+                      context_fn=_recompute_with_the_forwards_kernels)
 
 
 # --------------------------------------------------------------------------- KV cache for incremental decoding

@@ -276,7 +276,9 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "role": "node",
         "peer_id": node.peer_id,
         "stage": node.stage_index,
-        "compute": asdict(node.opts.compute),  # device, precision, backward mode, optimizer offload
+        # how this peer computes (RuntimeOptions: device, precision, backward mode, offload, block checkpointing,
+        # curvature tracking), its device's peak of allocated tensors (CUDA) and its host resident set now and at peak
+        "compute": {**asdict(node.opts.compute), **node.runtime.memory()},
         # What peers said when asked to connect back at start (net/reachability.py); None until one answered.
         "reachability": asdict(node.reachability) if node.reachability is not None else None,
         # Which connections crossed a circuit relay (sampled every 5 s): the path bytes took, whatever the above said.
@@ -346,9 +348,6 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "maddrs": node.maddrs,
         "fingerprint": sync.fingerprint if sync else 0.0,
         "cpu_s": process_cpu_seconds(),
-        # where and how this peer computed (RuntimeOptions), its device's peak of allocated tensors (CUDA) and the
-        # host resident set now and at its peak
-        "compute": node.runtime.memory(),
         "compute_tid": node.compute_thread_id,
         "helper_pids": {"dht": getattr(node.dht, "pid", None),
                         "averagers": [p for s in syncs if (p := getattr(getattr(s, "averager", None), "pid", None))]},

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from agora.bench.common import markdown_table, write_result
 from agora.devices import check_precision, resolve_device
 from agora.lab.demo import DemoOptions, NodeExtras, StopRule, SwarmShape, demo_manifest, run_demo
@@ -79,6 +81,8 @@ def run(out: Path, options: Optional[EfficiencyOptions] = None, log: Callable[[s
             f"({budget} tokens), {cores} threads, on {card} in {opts.precision}")
         central = train_local(manifest, opts.steps, folder / "centralized", val_batches=opts.val_batches,
                               threads=cores, device=str(device), precision=opts.precision)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the nodes share this card: hand back what the centralized arm's cache holds
         log(f"[efficiency] repeat {i + 1}/{opts.repeats}: swarm: {opts.stages} stages x {opts.replicas} replicas, "
             f"{central['tokens']} tokens, {scheme} averaging")
         swarm = run_demo(DemoOptions(
@@ -148,8 +152,6 @@ def _swarm_shape(opts: EfficiencyOptions, val_batches: int = 4) -> SwarmShape:
 
 def _card(device) -> str:
     """The accelerator's name (or ``cpu``), for the report."""
-    import torch
-
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 

@@ -132,6 +132,7 @@ def run(manifest_spec: str, out: Path, device: str = "auto", precision: str = "b
           r["mfu"] if r["mfu"] is not None else "-", r["peak_bytes"] / 1e9,
           r["predicted_bytes"] / 1e9 if r["predicted_bytes"] else "-"] for r in rows])
     md = (f"{manifest_spec} ({manifest.hash}) on {card}, microbatch {microbatch} x {manifest.model.seq_len} "
-          f"tokens; peak = {rows[0]['peak_kind']}.\n\n{table}\n")
+          f"tokens; peak = {rows[0]['peak_kind']}. TFLOP/s and MFU count the model's FLOPs only, not what "
+          f"recompute or checkpointing computes again.\n\n{table}\n")
     write_result(out, "gpu", result, md)
     return result

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from hivemind import DHT
 from rich.table import Table
@@ -126,7 +126,12 @@ def relayed_boundaries(stages: list[dict]) -> list[dict]:
 
 def peak_memory_label(metrics: dict) -> str:
     """A peer's peak memory from its record: the GPU's (when it computes on one) and the host resident set's."""
-    host, device = metrics.get("host_peak_rss_bytes"), metrics.get("device_peak_bytes")
+    def size(key: str) -> Optional[float]:  # records come from other peers: anything but a finite size is ignored
+        value = metrics.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        return float(value) if ok else None
+
+    host, device = size("host_peak_rss_bytes"), size("device_peak_bytes")
     parts = ([f"gpu {device / 2**30:.1f}G"] if device is not None else []) + (
         [f"host {host / 2**30:.1f}G"] if host is not None else [])
     return ", ".join(parts) or "-"

@@ -323,7 +323,8 @@ class StageHandler:
         node.inflight += 1
         node.queue += 1
         try:
-            pending, loss = await node.run_compute(rt.forward, tensors, train, generation, meta.get("frame"))
+            pending, loss, boundary = await node.run_compute(self._forward, rt, tensors, train, generation,
+                                                             meta.get("frame"))
             node.queue -= 1
             counters.forward += 1
             counters.tokens += pending.tokens.numel() if train else 0
@@ -333,7 +334,6 @@ class StageHandler:
                     await self._point_of_no_return(epoch, wanted, key, meta, claim)
                 reply, grads = await self._finish_tail(rt, pending, loss, train)
                 return dict(reply, held_s=held_s), grads
-            boundary = rt.boundary(pending)
             if train:  # nobody waits for it (a hedge won elsewhere): the next stages must not apply it either
                 await self._point_of_no_return(epoch, wanted, key, meta, claim)
             down_meta, down_tensors = await downstream.send(meta, boundary, tensors[-1], pending.version,
@@ -415,6 +415,13 @@ class StageHandler:
         granted = self.exactly_once.claim(key)
         self.claims_granted += int(granted)
         return {"granted": granted}, []
+
+    @staticmethod
+    def _forward(rt: StageRuntime, tensors: list, train: bool, generation: int, frame) -> tuple:
+        """Compute thread: the forward, and for a stage that sends one, its boundary in host memory (compressed and
+        copied off the device here, so the event loop never waits on a kernel)."""
+        pending, loss = rt.forward(tensors, train, generation, frame)
+        return pending, loss, None if rt.is_tail else rt.boundary(pending)
 
     async def _finish_tail(self, rt: StageRuntime, pending: Pending, loss, train: bool):
         grad_in = None
