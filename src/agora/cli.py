@@ -395,6 +395,8 @@ def bench_convergence(
                                               "--no-rebalance keeps every row's shape fixed, for comparing speeds"),
     averaging_timeout: Optional[float] = typer.Option(None, min=1.0, help="every node's --averaging-timeout "
                                                                           "(default: agora node's)"),
+    device: str = typer.Option("cpu", help="every arm's --device (train-local and every node; one GPU is shared)"),
+    precision: str = typer.Option("fp32", help="every arm's --precision (fp32 or bf16)"),
 ) -> None:
     """Validation loss at equal tokens: centralized against the swarm, each source of difference alone (rounds
     overlapping compute, microbatches in flight, replicas, averaging scheme, link caps) and all together; ratio and
@@ -407,8 +409,11 @@ def bench_convergence(
         opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches,
                                   diloco_every=diloco_every, upm_every_s=upm_every_s, rebalance=rebalance,
-                                  averaging_timeout_s=averaging_timeout)
+                                  averaging_timeout_s=averaging_timeout, device=device, precision=precision)
         opts.row_shapes()  # fail on a bad row name before anything runs
+        from agora.devices import check_precision, resolve_device
+
+        check_precision(resolve_device(device), precision)  # a device this machine lacks, before anything runs
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)

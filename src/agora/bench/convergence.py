@@ -52,6 +52,7 @@ from typing import Callable, Optional
 import torch
 
 from agora.bench.common import markdown_table, write_result
+from agora.devices import check_precision, resolve_device
 from agora.lab.demo import DemoOptions, LinkOptions, NodeExtras, StopRule, SwarmShape, demo_manifest, run_demo
 from agora.lab.demo_summary import trainer_summaries
 from agora.lab.train_local import train_local
@@ -93,9 +94,14 @@ class ConvergenceOptions:
     rebalance: bool = True
     # ``agora node --averaging-timeout`` of every node (None: the node's default): how long one all-reduce may take
     averaging_timeout_s: Optional[float] = None
+    # Where every arm computes: the centralized runs and every node (``--device``, ``--precision``)
+    device: str = "cpu"
+    precision: str = "fp32"
 
     def node_args(self) -> Optional[list[str]]:
         args = [] if self.rebalance else ["--rebalance-every", "0"]
+        if (self.device, self.precision) != ("cpu", "fp32"):
+            args += ["--device", self.device, "--precision", self.precision]
         if self.averaging_timeout_s is not None:
             args += ["--averaging-timeout", f"{self.averaging_timeout_s:g}"]
         return args or None
@@ -154,6 +160,7 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
     opts = options or ConvergenceOptions()
     if opts.steps < 1 or not opts.seeds:
         raise ValueError("steps must be at least 1 and seeds not empty")
+    check_precision(resolve_device(opts.device), opts.precision)
     shapes = opts.row_shapes()
     out = Path(out)
     runs: list[dict] = []
@@ -195,7 +202,8 @@ def _centralized(folder: Path, opts: ConvergenceOptions, seed: int, arm: str, se
     manifest = demo_manifest(opts.preset, opts.stages, seed=seed, overrides=settings or None)
     log(f"convergence: seed {seed}: {arm}, {opts.preset}, {opts.steps} steps")
     central = train_local(manifest, opts.steps, folder / arm, val_batches=opts.val_batches,
-                          eval_every=max(1, opts.steps // 5), shard=(0, 1))
+                          eval_every=max(1, opts.steps // 5), shard=(0, 1), device=opts.device,
+                          precision=opts.precision)
     central["run"] = {"seed": seed, "row": arm, "tokens": central["tokens"], "val_loss": central["val_loss"],
                       "loss_ratio": 1.0, "steps_per_stage": {str(s): opts.steps for s in range(opts.stages)},
                       "wall_s": central["wall_s"],
@@ -214,7 +222,8 @@ def _noise_row(folder: Path, opts: ConvergenceOptions, seed: int, central: dict,
     before = torch.get_num_threads()
     try:
         again = train_local(manifest, opts.steps, folder / NOISE_ROW, val_batches=opts.val_batches,
-                            eval_every=max(1, opts.steps // 5), shard=(0, 1), threads=threads)
+                            eval_every=max(1, opts.steps // 5), shard=(0, 1), threads=threads, device=opts.device,
+                            precision=opts.precision)
     finally:
         torch.set_num_threads(before)  # the next seed's centralized arm runs as the first did
     return {"seed": seed, "row": NOISE_ROW, "tokens": again["tokens"], "val_loss": again["val_loss"],
@@ -328,7 +337,8 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
           ",".join(str(x) for x in r.get("lookahead_forwards") or [])
           if any(r.get("lookahead_forwards") or []) else ""]
          for name, r in rows.items()])
-    return (f"`{opts.preset}`, {opts.stages} stages, {opts.steps} optimizer steps' tokens per arm, seeds "
+    where = "" if (opts.device, opts.precision) == ("cpu", "fp32") else f" on {opts.device} in {opts.precision}"
+    return (f"`{opts.preset}`{where}, {opts.stages} stages, {opts.steps} optimizer steps' tokens per arm, seeds "
             f"{list(opts.seeds)}; median (min-max) over seeds of the validation loss and of its ratio to the same "
             f"seed's centralized run (NAdam rows: its centralized NAdam run), on the same held-out batches at equal "
             f"tokens. A centralized run takes {opts.steps} steps.\n\n{table}")
