@@ -61,3 +61,15 @@ def test_train_local_refuses_a_device_or_precision_it_cannot_use(tmp_path):
     res = runner.invoke(app, ["train-local", "--precision", "fp16", "--steps", "1", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "--precision 'fp16'" in res.output, res.output
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_reversed_accumulation_is_the_same_sum_rounded_differently():
+    """Each step's microbatches backpropagated last to first: the same gradients up to rounding, so the losses agree
+    closely but not bit for bit (the noise-floor row of ``agora bench convergence``)."""
+    m = load_manifest("tiny").with_overrides(**{"batch.microbatch_size": 4})  # 4 microbatches per step
+    plain, a = train_model(m, steps=2, val_batches=2)
+    reordered, b = train_model(m, steps=2, val_batches=2, reverse_accumulation=True)
+    assert reordered["train_loss"][0] == pytest.approx(plain["train_loss"][0], rel=1e-6)  # same batches, same model
+    assert reordered["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-4)
+    differences = [float((x - y).abs().max()) for x, y in zip(a.parameters(), b.parameters())]
+    assert 0 < max(differences) < 1e-4, max(differences)

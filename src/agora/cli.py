@@ -383,7 +383,7 @@ def bench_convergence(
                                                   "powersgd, powersgd_no_dense, powersgd_cold, sparse, diloco, gossip, "
                                                   "in_flight_overlap, replicas_overlap, all, all_no_overlap, all_overlap, "
                                                   "all_capped, all_capped_no_overlap, all_capped_overlap, upm, upm_5s, nadam, "
-                                                  "nadam_lookahead, nadam_no_overlap, centralized_1thread (the "
+                                                  "nadam_lookahead, nadam_no_overlap, centralized_reordered (the "
                                                   "float noise floor; only when named) (default: every swarm row "
                                                   "that applies)"),
     link_mbps: Optional[float] = typer.Option(None, help="add the all_capped rows: every link capped at this rate"),

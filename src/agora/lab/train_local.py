@@ -69,6 +69,7 @@ def train_model(
     device: str = "cpu",
     precision: str = "fp32",
     checkpoint_blocks: bool = False,
+    reverse_accumulation: bool = False,
 ) -> tuple[dict, PipelineModel]:
     """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences: (summary, trained model); the
     summary is also written to ``out_dir``.
@@ -85,7 +86,9 @@ def train_model(
     the tracker's (``CurvatureTracker``).
 
     ``device``, ``precision``, ``checkpoint_blocks``: as a node's ``--device``, ``--precision`` (bf16: autocast
-    over fp32 weights) and ``--checkpoint-blocks``; the defaults are the bit-exact CPU baseline."""
+    over fp32 weights) and ``--checkpoint-blocks``; the defaults are the bit-exact CPU baseline.
+    ``reverse_accumulation``: each step's microbatches are backpropagated in reverse order: the same gradient sum,
+    rounded differently (``agora bench convergence``'s noise-floor row)."""
     dev = resolve_device(device)
     check_precision(dev, precision)
     if threads:
@@ -123,7 +126,7 @@ def train_model(
     tokens = 0
     for step in range(steps):
         lr = set_lr(opt, manifest.optimizer, step)
-        total = train_step(model, opt, batches, accum, manifest.optimizer.grad_clip, precision)
+        total = train_step(model, opt, batches, accum, manifest.optimizer.grad_clip, precision, reverse_accumulation)
         hold = by_curvature and clock < warmup_end(manifest) and curvature.holds(warmup_measurement(manifest, step))
         clock, held = clock + (not hold), held + hold
         model.grow_for_step(clock)  # architecture warm-up (training.warmup_depth): blocks due now join
@@ -210,12 +213,16 @@ class ModelCurvature:
         return out
 
 
-def train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float, precision: str = "fp32") -> float:
-    """One optimizer step over ``accum`` microbatches; returns the step's mean training loss."""
+def train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float, precision: str = "fp32",
+               reverse: bool = False) -> float:
+    """One optimizer step over ``accum`` microbatches; returns the step's mean training loss. ``reverse``: take the
+    step's microbatches first and backpropagate them last to first (the same sum of gradients, rounded
+    differently)."""
     total = 0.0
     device = next(model.parameters()).device
-    for _ in range(accum):
-        b = next(batches).to(device)
+    step_batches = [next(batches) for _ in range(accum)]
+    for b in reversed(step_batches) if reverse else step_batches:
+        b = b.to(device)
         with autocast(device, precision):
             loss = model.loss(b[:, :-1], b[:, 1:]) / accum
         loss.backward()
