@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
 def _status(key: str) -> int:
@@ -50,14 +49,10 @@ def peak() -> int:
     return _status("VmHWM")
 
 
-def run_blocks(stage, x, checkpointing: bool):
-    """``Stage.forward`` without a cache, optionally checkpointing every block (only its input is kept)."""
-    t = x.shape[1]
-    cos, sin = stage.rope_cos[:t], stage.rope_sin[:t]
-    for block in stage.layers.values():
-        basis = stage.basis if block.subspace else None
-        x = checkpoint(block, x, cos, sin, basis, use_reentrant=False) if checkpointing else block(x, cos, sin, basis)
-    return x
+def run_blocks(stage, x_or_tokens, checkpointing: bool):
+    """``Stage.forward`` without a cache, with or without its per-block checkpointing (``--checkpoint-blocks``)."""
+    stage.checkpoint_blocks = checkpointing
+    return stage(x_or_tokens)
 
 
 def through_runtime(spec: str, index: int, b: int, f: int, precision: str, backward: str, offload: bool,
@@ -132,7 +127,7 @@ def main(spec: str, index: int, b: int, f: int, precision: str, backward: str, c
         """(leaf, output) of ``stage`` for a microbatch: ``StageRuntime.forward_from``."""
         with autocast():
             if stage.spec.is_head:
-                return None, run_blocks(stage, stage.embed(tokens), checkpointing)
+                return None, run_blocks(stage, tokens, checkpointing)
             leaf = coords.float().requires_grad_(torch.is_grad_enabled())
             x = decompress(Boundary(leaf, tokens, manifest.residual.mode), stage.basis, stage.frozen_embed)
             return leaf, run_blocks(stage, x, checkpointing)
@@ -144,7 +139,7 @@ def main(spec: str, index: int, b: int, f: int, precision: str, backward: str, c
     warm_tokens = torch.randint(0, 100, (2, 8))
     for ckpt in (False, True):
         with autocast():
-            out = run_blocks(warm, warm.embed(warm_tokens), ckpt)
+            out = run_blocks(warm, warm_tokens, ckpt)
         out.sum().backward()
     with autocast():
         out = run_blocks(Stage(warm_manifest, 1), torch.randn(2, 8, 64), checkpointing)

@@ -47,38 +47,25 @@ def _microbatch(runtimes, tokens, last, step_between=False):
 
 @pytest.mark.parametrize("mode", ["subspace", "dense"])
 @pytest.mark.parametrize("step_between", [False, True], ids=["same-version", "step-in-flight"])
-def test_recompute_gives_the_gradients_of_a_stashed_graph(mode, step_between):
+@pytest.mark.parametrize("options", [RuntimeOptions(backward="recompute"), RuntimeOptions(checkpoint_blocks=True),
+                                     RuntimeOptions(backward="recompute", checkpoint_blocks=True)],
+                         ids=["recompute", "checkpointed", "recompute-checkpointed"])
+def test_recompute_and_checkpointing_give_the_gradients_of_a_stashed_graph(mode, step_between, options):
+    """Recomputing the stage (``recompute``) or each block (per-block checkpointing) at backward time runs on the
+    weights the forward ran on (the snapshot), so a step taken while the microbatch is in flight changes nothing:
+    bit-identical loss, parameter gradients and gradients sent upstream."""
     manifest = MAN if mode == "subspace" else MAN.with_overrides(**{"residual.mode": "dense", "residual.k": None})
     tokens = torch.randint(0, manifest.model.vocab_size, (4, manifest.model.seq_len), dtype=torch.int32)
     last = torch.randint(0, manifest.model.vocab_size, (4,), dtype=torch.int32)
     stash = _microbatch(_runtimes(RuntimeOptions(backward="stash"), manifest), tokens, last, step_between)
-    again = _microbatch(_runtimes(RuntimeOptions(backward="recompute"), manifest), tokens, last, step_between)
+    runtimes = _runtimes(options, manifest)
+    assert all(rt.stage.checkpoint_blocks == options.checkpoint_blocks for rt in runtimes)
+    again = _microbatch(runtimes, tokens, last, step_between)
     assert stash[0] == again[0]
     for a, b in zip(stash[1], again[1]):
         for ga, gb in zip(a, b):
             assert torch.equal(ga, gb)
     for ua, ub in zip(stash[2][:-1], again[2][:-1]):
-        assert torch.equal(ua, ub)
-
-
-@pytest.mark.parametrize("mode", ["subspace", "dense"])
-@pytest.mark.parametrize("backward", ["stash", "recompute"])
-def test_checkpointed_blocks_give_the_gradients_of_a_stashed_graph(mode, backward):
-    """Per-block checkpointing recomputes each block at backward time on the weights its forward ran on (the
-    snapshot), so a step taken while the microbatch is in flight changes nothing: bit-identical loss, parameter
-    gradients and gradients sent upstream, with either backward mode."""
-    manifest = MAN if mode == "subspace" else MAN.with_overrides(**{"residual.mode": "dense", "residual.k": None})
-    tokens = torch.randint(0, manifest.model.vocab_size, (4, manifest.model.seq_len), dtype=torch.int32)
-    last = torch.randint(0, manifest.model.vocab_size, (4,), dtype=torch.int32)
-    plain = _microbatch(_runtimes(RuntimeOptions(), manifest), tokens, last, step_between=True)
-    runtimes = _runtimes(RuntimeOptions(backward=backward, checkpoint_blocks=True), manifest)
-    assert all(rt.stage.checkpoint_blocks for rt in runtimes)
-    again = _microbatch(runtimes, tokens, last, step_between=True)
-    assert plain[0] == again[0]
-    for a, b in zip(plain[1], again[1]):
-        for ga, gb in zip(a, b):
-            assert torch.equal(ga, gb)
-    for ua, ub in zip(plain[2][:-1], again[2][:-1]):
         assert torch.equal(ua, ub)
 
 

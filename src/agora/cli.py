@@ -381,8 +381,9 @@ def bench_convergence(
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; every row runs once per seed"),
     rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, overlap, in_flight, replicas, "
                                                   "powersgd, powersgd_no_dense, powersgd_cold, sparse, diloco, gossip, "
-                                                  "in_flight_overlap, replicas_overlap, all, all_no_overlap, all_overlap, "
-                                                  "all_capped, all_capped_no_overlap, all_capped_overlap, upm, upm_5s, nadam, "
+                                                  "in_flight_overlap, replicas_overlap, all, all_no_overlap, "
+                                                  "all_overlap, all_capped, all_capped_no_overlap, "
+                                                  "all_capped_overlap, upm, upm_5s, nadam, "
                                                   "nadam_lookahead, nadam_no_overlap, centralized_reordered (the "
                                                   "float noise floor; only when named) (default: every swarm row "
                                                   "that applies)"),

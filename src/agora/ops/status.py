@@ -139,8 +139,8 @@ def peak_memory_label(metrics: dict) -> str:
 
 def render_status(snap: dict) -> Table:
     table = Table(title=f"run {snap['run_id']} (manifest {snap['manifest_hash']})")
-    cols = ("stage", "peer", "state", "reached", "tokens/s", "step", "queue", "fwd", "bwd", "rejected", "claimed", "acked",
-            "peak memory")
+    cols = ("stage", "peer", "state", "reached", "tokens/s", "step", "queue", "fwd", "bwd", "rejected", "claimed",
+            "acked", "peak memory")
     for col in cols:
         table.add_column(col)
     for stage in snap["stages"]:

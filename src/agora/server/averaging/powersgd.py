@@ -88,8 +88,8 @@ class PowerSGDSync(FullSync):
     def _not_averaged(self, grads: list[torch.Tensor], alone: bool) -> list[torch.Tensor]:
         """Alone: ``G + E`` (the error buffer is flushed: there is no group to compress for). After a failed round,
         compressed or dense: a zero update, the whole ``G + E`` staying in the error buffer. Why not our own
-        gradient here: it would be applied now *and* again through the error buffer; and replicas whose round failed together take the same
-        zero-gradient step, so they stay identical and need no state download."""
+        gradient here: it would be applied now *and* again through the error buffer; and replicas whose round failed
+        together take the same zero-gradient step, so they stay identical and need no state download."""
         compressed, self._compressed_step = self._compressed_step, None
         loaded, self._dense_payload, self._dense_round = self._dense_payload, None, False
         if loaded is not None:  # a dense round's payload, G + E already out of the error buffer, without a result
