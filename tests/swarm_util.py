@@ -13,17 +13,19 @@ from agora.net.dht import make_dht, visible_maddrs
 
 
 @contextlib.asynccontextmanager
-async def local_swarm(manifest, layout, options: NodeOptions | None = None):
-    """Start a bootstrap DHT and one StageNode per entry of ``layout`` (a list of stage indices)."""
+async def local_swarm(manifest, layout, options: NodeOptions | list[NodeOptions] | None = None):
+    """Start a bootstrap DHT and one StageNode per entry of ``layout`` (a list of stage indices); ``options``: every
+    node's, or one per node."""
     boot = make_dht(manifest=manifest)  # tests read records through it: it needs the run's validators
     peers = visible_maddrs(boot)
     dhts: list[DHT] = [boot]
     nodes: list[StageNode] = []
     try:
-        for stage in layout:
+        per_node = options if isinstance(options, list) else [options] * len(layout)
+        for stage, opts in zip(layout, per_node):
             dht = make_dht(peers, manifest=manifest)  # the run's record rules, as `agora node` has them
             dhts.append(dht)
-            node = StageNode(manifest, stage, dht, options or NodeOptions(stall_step_s=1e9))
+            node = StageNode(manifest, stage, dht, opts or NodeOptions(stall_step_s=1e9))
             await node.start()
             nodes.append(node)
         yield boot, peers, nodes

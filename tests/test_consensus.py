@@ -6,7 +6,7 @@ import math
 import torch
 
 from agora.config import load_manifest
-from agora.net.records import StageRecord, sampled_consensus_distance
+from agora.net.records import StageRecord, sampled_consensus_distance, sampled_relative_distance
 from agora.server.observers import Observers
 from agora.server.runtime import PARAMETER_SAMPLE, Counters, StageRuntime
 
@@ -32,6 +32,16 @@ def test_the_distance_is_the_relative_spread_at_the_most_common_step():
     assert math.isclose(sampled_consensus_distance(records), 0.2)
     assert sampled_consensus_distance([_rec("a", 3, a), _rec("c", 2, b)]) is None
     assert sampled_consensus_distance([]) is None
+
+
+def test_the_relative_distance_of_two_samples_refuses_what_it_cannot_compare():
+    """Replicas judge their agreement with it (``ReplicaSync.agrees_with``); the other sample comes from an
+    untrusted record."""
+    assert sampled_relative_distance([3.0, 4.0], [3.0, 4.0]) == 0.0
+    assert math.isclose(sampled_relative_distance([3.0, 4.0], [3.0, 3.0]), 1.0 / 5.0)
+    for ours, theirs in (([3.0, 4.0], [3.0]), ([], []), ([0.0, 0.0], [1.0, 1.0]), ([3.0, 4.0], ["x", 1.0]),
+                         ([3.0, 4.0], [float("nan"), 1.0]), ([3.0, 4.0], [float("inf"), 1.0]), ([3.0, 4.0], [None, 1])):
+        assert sampled_relative_distance(ours, theirs) is None, theirs
 
 
 def test_replicas_sample_the_same_positions_and_the_sample_follows_the_weights():

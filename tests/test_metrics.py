@@ -95,7 +95,8 @@ def test_node_metrics_grow_with_work():
     # Where the node computes, and its memory: no device peak on a CPU (its tensors are in the resident set).
     compute = next(dict(labels) for (name, labels) in h2 if name == "agora_compute_info")
     assert compute == {"device": "cpu", "precision": "fp32", "backward": "stash", "offload_optimizer": "False",
-                       "checkpoint_blocks": "False"}
+                       "checkpoint_blocks": "False", "optimizer_kernel": "single"}
+    assert h2[("agora_agreed_within_tolerance_total", ())] == 0  # bit-identical replicas (one kernel, one device)
     assert h2[("agora_host_peak_rss_bytes", ())] >= h2[("agora_host_rss_bytes", ())] > 50 * 2**20
     assert ("agora_device_peak_bytes", ()) not in h2
 

@@ -213,6 +213,9 @@ def test_averaging_section_defaults_validates_and_enters_the_hash(tmp_path):
     ({"averaging": {"scheme": "powersgd", "dense_steps": -1}}, "averaging.dense_steps"),
     ({"averaging": {"scheme": "powersgd", "rho": 0.1}}, "only applies to scheme 'sparse'"),
     ({"averaging": {"scheme": "full", "ranks": 8}}, "unknown key"),
+    ({"averaging": {"scheme": "full", "agreement_tolerance": -1e-4}}, "averaging.agreement_tolerance"),
+    ({"averaging": {"scheme": "full", "agreement_tolerance": 0.5}}, "averaging.agreement_tolerance"),
+    ({"averaging": {"scheme": "sparse", "agreement_tolerance": 1e-3}}, "only applies to schemes 'full' and"),
 ])
 def test_bad_averaging_section_is_a_clear_error(change, needle):
     _assert_manifest_error(change, needle)

@@ -159,13 +159,40 @@ def test_a_cuda_stage_computes_what_a_cpu_stage_computes():
         torch.testing.assert_close(ub, ua, rtol=1e-3, atol=1e-5)
 
 
-def test_a_bf16_replica_and_an_fp32_replica_of_one_stage_train_together():
-    """Replicas average their (fp32) gradients whatever precision computed them, so a mixed stage keeps one set
-    of parameters: no state downloads once joined. The bf16 replica also checkpoints its blocks. Each node reports
-    how it computes and its peak memory (summary and record)."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_a_cuda_replica_stays_within_the_agreement_tolerance_of_a_cpu_replica():
+    """The same averaged gradients, stepped by the fused kernel on the GPU and by the loop on the CPU: the weights
+    drift apart by rounding only, far inside ``averaging.agreement_tolerance``, so such replicas never resync."""
+    cpu, gpu = _runtimes(RuntimeOptions()), _runtimes(RuntimeOptions(device="cuda"))
+    assert gpu[0].fused_optimizer and not cpu[0].fused_optimizer
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        for a, b in zip(cpu, gpu):
+            grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1 for p in a.stage.parameters()]
+            a.apply_step(grads)
+            b.apply_step(grads)
+    for a, b in zip(cpu, gpu):
+        pa = torch.cat([p.detach().reshape(-1) for p in a.stage.parameters()]).double()
+        pb = torch.cat([p.detach().cpu().reshape(-1) for p in b.stage.parameters()]).double()
+        assert float((pa - pb).norm() / pa.norm()) < MAN.averaging.agreement_tolerance / 100
+
+
+def test_a_bf16_fused_replica_and_an_fp32_replica_of_one_stage_agree_within_tolerance():
+    """Replicas average their (fp32) gradients whatever precision computed them; the bf16 replica also steps with
+    the fused AdamW kernel (as a GPU replica does), which rounds the same update differently: the two tails drift
+    apart by rounding only, agree within ``averaging.agreement_tolerance`` and announce one fingerprint, with no
+    state download once joined. A real divergence is still repaired by a download. The bf16 replica also
+    checkpoints its blocks. Each node reports how it computes and its peak memory (summary and record)."""
     manifest = load_manifest("tiny").with_overrides(**{"batch.target_batch_size": 8, "batch.microbatch_size": 4})
+    tolerance = manifest.averaging.agreement_tolerance
     layout = [(0, RuntimeOptions()), (1, RuntimeOptions()), (1, RuntimeOptions(precision="bf16", backward="recompute",
-                                                                                   checkpoint_blocks=True))]
+                                                                                   checkpoint_blocks=True,
+                                                                                   optimizer_kernel="fused"))]
+
+    def distance(a, b):
+        pa = torch.cat([p.detach().reshape(-1) for p in a.stage.parameters()]).double()
+        pb = torch.cat([p.detach().reshape(-1) for p in b.stage.parameters()]).double()
+        return float((pa - pb).norm() / pa.norm())
 
     async def main():
         boot = make_dht(manifest=manifest)
@@ -182,32 +209,54 @@ def test_a_bf16_replica_and_an_fp32_replica_of_one_stage_train_together():
             trainer = Trainer(manifest, boot, shard=None)
             await trainer.start()
             await wait_until(lambda: [len(s) for s in trainer.swarm] == [1, 2], 30, "every peer to announce")
-            for step in (1, 2, 3):
+            for step in (1, 2, 3, 4):
                 batches = random_batches(manifest.model.vocab_size, manifest.model.seq_len, 2, 4, seed=step)
                 losses = await asyncio.gather(*(trainer.send(b) for b in batches))
                 assert all(x is not None for x in losses)
                 await wait_until(lambda: all(n.step >= step and n.runtime.samples == 0 for n in nodes), 60,
                                  f"step {step}")
             tails = nodes[1:]
-            await wait_until(lambda: all(torch.equal(a, b) for a, b in zip(tails[0].stage.parameters(),
-                                                                            tails[1].stage.parameters())),
-                             30, "the two tails to hold one set of parameters")
+            follower = max(tails, key=lambda n: n.peer_id)  # the replica that compares itself with the other
+            await wait_until(lambda: all(n.sync.fingerprint_valid for n in tails)
+                             and tails[0].sync.fingerprint == tails[1].sync.fingerprint, 30,
+                             "the two tails to announce one version")
+            rounding = distance(*tails)
+            bitwise = all(torch.equal(a, b) for a, b in zip(tails[0].stage.parameters(), tails[1].stage.parameters()))
             trainer.close()
             reports = [(node_summary(n)["compute"], n.record().metrics) for n in tails]
-            return [n.sync.rounds_ok for n in tails], [n.sync.resyncs for n in tails], reports
+            rounds, resyncs = [n.sync.rounds_ok for n in tails], [n.sync.resyncs for n in tails]
+            agreed = node_summary(follower)["agreed_within_tolerance"]
+
+            # A real divergence: the follower's weights move far beyond rounding; it adopts the other's state.
+            def diverge():
+                g = torch.Generator().manual_seed(5)
+                with torch.no_grad():
+                    for p in follower.stage.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+                follower.runtime.parameter_sample = (follower.runtime.step, follower.runtime.sample_parameters())
+                follower.sync._set_fingerprint()
+
+            await follower.run_compute(diverge)
+            await wait_until(lambda: follower.sync.resyncs == 1, 30, "the diverged replica to download a state")
+            repaired = distance(*tails)
+            return rounds, resyncs, reports, rounding, bitwise, agreed, repaired
         finally:
             for node in nodes:
                 await node.stop()
             for dht in dhts:
                 dht.shutdown()
 
-    rounds, resyncs, reports = asyncio.run(main())
-    assert min(rounds) >= 2, rounds
+    rounds, resyncs, reports, rounding, bitwise, agreed, repaired = asyncio.run(main())
+    assert min(rounds) >= 3, rounds
     assert resyncs == [0, 0], resyncs
+    assert not bitwise and 0 < rounding < tolerance / 100, rounding  # rounding apart, far inside the tolerance
+    assert agreed >= 1
+    assert repaired == 0.0
     (plain, plain_record), (mixed, mixed_record) = reports
     assert (plain["precision"], plain["backward"], plain["checkpoint_blocks"]) == ("fp32", "stash", False)
     assert plain["curvature_every"] == 0 and "curvature_hvps" in mixed  # the options and the memory, one key
     assert (mixed["precision"], mixed["backward"], mixed["checkpoint_blocks"]) == ("bf16", "recompute", True)
+    assert (plain["optimizer_kernel"], mixed["optimizer_kernel"]) == ("single", "fused")
     for compute, record in reports:
         assert compute["device"] == "cpu" and compute["device_peak_bytes"] is None  # CPU tensors are host memory
         assert compute["host_peak_rss_bytes"] >= compute["host_rss_bytes"] > 50 * 2**20
@@ -242,6 +291,35 @@ def test_an_offloaded_optimizer_steps_exactly_as_one_beside_the_weights():
         b.apply_step(grads)
         for x, y in zip(a.stage.parameters(), b.stage.parameters()):
             assert torch.equal(x, y)
+
+
+def test_a_fused_optimizer_state_moves_to_and_from_the_single_tensor_one():
+    """torch's fused AdamW (``--optimizer-kernel fused``, the default on CUDA) keeps the same state as the loop: a
+    state exported by either continues on the other within rounding, as a replica on another device downloads it."""
+    single, fused = _runtimes(RuntimeOptions()), _runtimes(RuntimeOptions(optimizer_kernel="fused"))
+    assert [rt.fused_optimizer for rt in single + fused] == [False] * 3 + [True] * 3
+    assert fused[0].memory()["optimizer_kernel"] == "fused"
+    gen = torch.Generator().manual_seed(0)
+    for a, b in zip(single, fused):
+        grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1 for p in a.stage.parameters()]
+        a.apply_step(grads)
+        b.import_state(*a.export_state())  # single -> fused
+        c = _runtimes(RuntimeOptions())[a.stage_index]
+        for _ in range(3):
+            a.apply_step(grads)
+            b.apply_step(grads)
+        c.import_state(*b.export_state())  # fused -> single
+        a.apply_step(grads)
+        c.apply_step(grads)
+        assert c.step == a.step == 5
+        for x, y in zip(a.stage.parameters(), c.stage.parameters()):
+            torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="--optimizer-kernel 'turbo'"):
+        RuntimeOptions(optimizer_kernel="turbo")
+    nadam = MAN.with_overrides(**{"optimizer.name": "nadam"})
+    with pytest.raises(ValueError, match="adamw only"):
+        _runtimes(RuntimeOptions(optimizer_kernel="fused"), nadam)
+    assert not _runtimes(RuntimeOptions(), nadam)[0].fused_optimizer  # auto on a CPU: the loop
 
 
 def test_a_process_forked_from_a_node_drops_the_stage_tensors_and_the_node_keeps_them():

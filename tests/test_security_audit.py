@@ -2,6 +2,8 @@
 messages it got (a tail's gradients, a head's activations), and two agreeing recomputations convict."""
 
 import asyncio
+import dataclasses
+import json
 
 import torch
 
@@ -10,6 +12,7 @@ from agora.lab.attacks import install_attack
 from agora.net import transport
 from agora.net.protocol import FWD_BWD
 from agora.server.node import NodeOptions
+from agora.server.runtime import RuntimeOptions
 from swarm_util import local_swarm, wait_until
 
 # No optimizer step during the test (the target batch is never reached): every replica keeps its initial weights,
@@ -73,3 +76,28 @@ def test_a_head_adding_faint_noise_to_its_activations_is_banned_by_the_tails_aud
     assert attacker in banned, summary
     assert not banned & honest, summary
     assert any("recomputed by" in r for r in summary["0/fwd"]["senders"][attacker]["struck"]), summary
+
+
+def test_a_bf16_head_is_audited_at_its_own_precision_and_not_convicted(tmp_path):
+    """A head computing in bf16 sends boundaries 0.6-0.8% away from what fp32 computes on the same weights, far
+    beyond the audit tolerance: recomputed by two fp32 heads it would be convicted although honest. Its record
+    announces its precision, and the auditors recompute at it: every audit of it confirms the message (the
+    tail's SENTINEL log: not flagged, no reason)."""
+    log = tmp_path / "sentinel.jsonl"
+    tail_opts = dataclasses.replace(OPTS, sentinel_log=str(log))
+    bf16 = dataclasses.replace(OPTS, compute=RuntimeOptions(precision="bf16"))
+
+    async def main():
+        async with local_swarm(MAN, [1, 0, 0, 0], [tail_opts, OPTS, OPTS, bf16]) as (boot, peers, nodes):
+            tail, mixed = nodes[0], nodes[3]
+            await wait_until(lambda: mixed.record().precision == "bf16", 10, "the bf16 head's record")
+            await _train_until_banned(await boot.replicate_p2p(), [mixed], tail, mixed, 12, seed=2)
+            return tail.sentinel.banned_peers(), tail.sentinel.summary(), mixed.peer_id
+
+    banned, summary, mixed = asyncio.run(main())
+    assert not banned, summary
+    audits = [json.loads(line) for line in log.read_text().splitlines()]
+    audits = [a for a in audits if a["direction"] == "audit fwd" and a["sender"] == mixed]
+    assert len(audits) >= 3, audits
+    assert all(not a["flagged"] and a["reasons"] == [] for a in audits), audits
+    assert not summary["0/fwd"]["senders"][mixed]["struck"], summary

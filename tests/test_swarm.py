@@ -158,7 +158,7 @@ def test_demo_end_to_end(tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "agora.cli", "demo", "--stages", "2", "--replicas", "2", "--preset", "tiny",
              "--steps", "3", "--out", str(out), "--no-live", "--timeout", "400", "--compare-local",
-             "--curvature-every", "1"],
+             "--curvature-every", "1", "--mixed"],
             capture_output=True, text=True, timeout=500,
         )
     finally:
@@ -200,3 +200,9 @@ def test_demo_end_to_end(tmp_path):
     assert sorted(curvature) == ["0", "1"] and all(c["lr_times_value"] is not None for c in curvature.values())
     assert all(n["curvature"]["measurements"] >= 1 for n in summary["nodes"]), [n["curvature"] for n in summary["nodes"]]
     assert "curvature per stage" in (out / "report.html").read_text()
+    # --mixed: each stage's second replica computes in bf16 with the fused AdamW kernel; the replicas still agree
+    # (within averaging.agreement_tolerance: the kernels round differently) without downloading each other's state.
+    kinds = sorted((c["precision"], c["optimizer_kernel"]) for c in summary["compute_per_node"].values())
+    assert kinds == [("bf16", "fused")] * 2 + [("fp32", "single")] * 2, kinds
+    assert all(n["resyncs"] == 0 for n in summary["nodes"]), [n["resyncs"] for n in summary["nodes"]]
+    assert sum(n["agreed_within_tolerance"] for n in summary["nodes"]) >= 1, summary["nodes"]

@@ -36,7 +36,8 @@ def test_nadam_manifest_builds_the_delay_aware_optimizer_and_trains():
 
 def test_checkpointed_blocks_train_bit_identically_and_bf16_stays_close():
     """``train-local --checkpoint-blocks`` recomputes blocks at backward time: the same losses bit for bit.
-    ``--precision bf16`` (autocast) stays within 2% of fp32 and is not fp32 in disguise. The summary says how."""
+    ``--precision bf16`` (autocast) stays within 2% of fp32 and is not fp32 in disguise; so does the fused AdamW
+    kernel, within 0.01%. The summary says how."""
     m = load_manifest("tiny")
     plain = train_local(m, steps=4, val_batches=2)
     checkpointed, model = train_model(m, steps=4, val_batches=2, checkpoint_blocks=True)
@@ -46,6 +47,10 @@ def test_checkpointed_blocks_train_bit_identically_and_bf16_stays_close():
     assert bf16["val_loss"] == pytest.approx(plain["val_loss"], rel=2e-2) and bf16["val_loss"] != plain["val_loss"]
     assert (checkpointed["compute"]["checkpoint_blocks"], bf16["compute"]["precision"]) == (True, "bf16")
     assert plain["compute"]["device"] == "cpu" and plain["compute"]["host_peak_rss_bytes"] > 0
+    # torch's fused AdamW (the default on CUDA): the same update rounded otherwise, so close but not bit-identical
+    fused = train_local(m, steps=4, val_batches=2, optimizer_kernel="fused")
+    assert (plain["compute"]["optimizer_kernel"], fused["compute"]["optimizer_kernel"]) == ("single", "fused")
+    assert fused["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-4) and fused["val_loss"] != plain["val_loss"]
     with pytest.raises(ValueError, match="--precision"):
         train_local(m, steps=1, precision="fp16")
 
@@ -60,6 +65,13 @@ def test_train_local_refuses_a_device_or_precision_it_cannot_use(tmp_path):
     assert res.exit_code == 2 and "use auto, cpu, cuda or cuda:N" in res.output, res.output
     res = runner.invoke(app, ["train-local", "--precision", "fp16", "--steps", "1", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "--precision 'fp16'" in res.output, res.output
+    res = runner.invoke(app, ["train-local", "--optimizer-kernel", "turbo", "--steps", "1", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "--optimizer-kernel 'turbo'" in res.output, res.output
+    nadam = tmp_path / "nadam.yaml"  # torch has a fused kernel for AdamW only
+    nadam.write_text(load_manifest("tiny").with_overrides(**{"optimizer.name": "nadam"}).to_yaml())
+    res = runner.invoke(app, ["train-local", "--manifest", str(nadam), "--optimizer-kernel", "fused", "--steps", "1",
+                              "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "adamw only" in res.output, res.output
     assert not (tmp_path / "summary.json").exists()
 
 

@@ -150,6 +150,10 @@ def _parse_shard(shard: str) -> tuple[int, int]:
     return index, count
 
 
+OPTIMIZER_KERNEL_HELP = ("single: the single-tensor AdamW loop (bit-identical to a CPU baseline); fused: torch's "
+                         "fused AdamW kernel (adamw only); auto: fused when the optimizer steps on a CUDA device")
+
+
 @app.command("train-local")
 def train_local_cmd(
     manifest: str = typer.Option("tiny", help="preset or YAML file"),
@@ -163,6 +167,7 @@ def train_local_cmd(
     precision: str = typer.Option("fp32", help="fp32, or bf16 (autocast; weights, gradients, optimizer stay fp32)"),
     checkpoint_blocks: bool = typer.Option(False, help="per-block activation checkpointing (same gradients, less "
                                                        "memory)"),
+    optimizer_kernel: str = typer.Option("auto", help=OPTIMIZER_KERNEL_HELP),
 ) -> None:
     """Centralized baseline: train the whole model in this process; writes summary.json, loss.png, report.html."""
     import torch
@@ -174,9 +179,12 @@ def train_local_cmd(
 
     m = _manifest(manifest)
     data_shard = _parse_shard(shard) if shard is not None else None
+    from agora.optim import use_fused_kernel
+
     try:
         dev = resolve_device(device)
         check_precision(dev, precision)
+        use_fused_kernel(optimizer_kernel, m.optimizer.name, dev)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
@@ -196,7 +204,7 @@ def train_local_cmd(
         try:
             summary = train_local(m, steps, out, eval_every=eval_every, threads=threads, on_step=on_step,
                                   shard=data_shard, device=str(dev), precision=precision,
-                                  checkpoint_blocks=checkpoint_blocks)
+                                  checkpoint_blocks=checkpoint_blocks, optimizer_kernel=optimizer_kernel)
         except torch.OutOfMemoryError as err:
             console.print(f"[red]error:[/red] out of memory on {dev}: {escape(str(err).splitlines()[0])}; try "
                           f"--precision bf16, --checkpoint-blocks or a smaller batch.microbatch_size")
@@ -704,6 +712,7 @@ def node(
     checkpoint_blocks: bool = typer.Option(False, help="per-block activation checkpointing: a training forward keeps "
                                                        "only each block's input; the backward recomputes the block "
                                                        "(same gradients, less memory, ~1/3 more compute)"),
+    optimizer_kernel: str = typer.Option("auto", help=OPTIMIZER_KERNEL_HELP),
     curvature_every: int = typer.Option(0, min=0, help="measure this stage's top preconditioned Hessian eigenvalue "
                                                        "every N optimizer steps (0: never); summary and /metrics"),
     curvature_hvps: int = typer.Option(3, min=1, max=5, help="Hessian-vector products per curvature measurement"),
@@ -733,13 +742,19 @@ def node(
     try:
         compute = RuntimeOptions(device=str(resolve_device(device)), precision=precision, backward=backward,
                                  offload_optimizer=offload_optimizer, checkpoint_blocks=checkpoint_blocks,
-                                 curvature_every=curvature_every, curvature_hvps=curvature_hvps)
+                                 optimizer_kernel=optimizer_kernel, curvature_every=curvature_every,
+                                 curvature_hvps=curvature_hvps)
+        from agora.optim import use_fused_kernel
+
+        fused = use_fused_kernel(optimizer_kernel, m.optimizer.name,
+                                 resolve_device("cpu" if offload_optimizer else compute.device))
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
     console.print(f"computing on {compute.device} in {compute.precision}, backward {compute.backward}"
                   + (", optimizer offloaded to host RAM" if compute.offload_optimizer else "")
-                  + (", blocks checkpointed" if compute.checkpoint_blocks else ""))
+                  + (", blocks checkpointed" if compute.checkpoint_blocks else "")
+                  + (", fused optimizer kernel" if fused else ""))
     opts = NodeOptions(compute=compute, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, threads=threads,
                        rebalance_every_s=rebalance_every, averaging_timeout_s=averaging_timeout,
                        sentinel=sentinel or sentinel_log is not None,
@@ -882,6 +897,9 @@ def demo(
     backward: str = typer.Option("stash", help="every node's --backward (stash or recompute)"),
     offload_optimizer: bool = typer.Option(False, help="every node's --offload-optimizer"),
     checkpoint_blocks: bool = typer.Option(False, help="every node's --checkpoint-blocks"),
+    mixed: bool = typer.Option(False, help="a mixed swarm: every second replica of each stage computes in bf16 and "
+                                           "steps with the fused AdamW kernel (as a GPU replica beside CPU ones "
+                                           "would); replicas then agree within averaging.agreement_tolerance"),
     curvature_every: int = typer.Option(0, min=0, help="every node's --curvature-every: measure each stage's top "
                                                        "preconditioned Hessian eigenvalue every N steps"),
     compare_local: bool = typer.Option(False, help="then train the same manifest centrally (train-local) for the "
@@ -914,8 +932,11 @@ def demo(
                        threads=threads, residual=residual, averaging=averaging, upm_every_s=upm_every_s)
     try:  # refuse a bad link setup or manifest (a split the model cannot have) with one line, before anything starts
         plan_links(link_mbps, link_latency_ms, link_backend)
-        demo_manifest(shape.preset, shape.stages, shape.residual, shape.averaging, shape.seed, shape.overlap_rounds,
-                      shape.upm_every_s, shape.overrides)
+        demo_m = demo_manifest(shape.preset, shape.stages, shape.residual, shape.averaging, shape.seed,
+                               shape.overlap_rounds, shape.upm_every_s, shape.overrides)
+        if mixed and demo_m.optimizer.name != "adamw":
+            raise ValueError(f"--mixed steps every second replica with the fused AdamW kernel; this manifest's "
+                             f"optimizer is {demo_m.optimizer.name!r}")
     except (ValueError, RuntimeError) as err:  # ManifestError is a ValueError
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
@@ -930,7 +951,8 @@ def demo(
                          args=["--device", device, "--precision", precision, "--backward", backward,
                                "--curvature-every", str(curvature_every),
                                *(["--offload-optimizer"] if offload_optimizer else []),
-                               *(["--checkpoint-blocks"] if checkpoint_blocks else [])]),
+                               *(["--checkpoint-blocks"] if checkpoint_blocks else [])],
+                         mixed_args=["--precision", "bf16", "--optimizer-kernel", "fused"] if mixed else None),
         allow_list=allow_list, live=not no_live, dashboard_port=dashboard_port if dashboard else None,
     ))
     mb = summary["microbatches"]

@@ -304,6 +304,10 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "clip_global_steps": sum(s.clipper.global_steps for s in syncs),
         "clip_fallbacks": sum(s.clipper.fallbacks for s in syncs),
         "realigned_steps": sum(s.realigned_steps for s in syncs),
+        # replicas at our step whose fingerprint differed but whose sampled parameters were within
+        # averaging.agreement_tolerance (rounding: another device or optimizer kernel), and the last distance seen
+        "agreed_within_tolerance": sum(s.tolerated for s in syncs),
+        "agreement_distance": sync.agreement_distance if sync else None,
         "duplicate_microbatches": node.handler.exactly_once.duplicates,
         # Training requests dropped before they committed: their callers had gone (a hedge won elsewhere) or this
         # process was frozen while they were in flight (server/freeze.py); and the freezes themselves.

@@ -236,6 +236,8 @@ class AveragingConfig(_Strict):
     the mix at the door instead of failing every round.
 
     * ``full``: all-reduce of the whole float64 gradient every step (bit-identical replicas; ``8 B`` per element).
+      Replicas whose optimizer steps round differently (another device or kernel) drift apart by rounding only;
+      up to ``agreement_tolerance`` (relative, on the records' parameter samples) they still agree.
     * ``powersgd``: rank-``rank`` PowerSGD with error feedback, two all-reduces (P, Q) in one group per step;
       replicas still apply the same update and stay bit-identical. The first ``dense_steps`` steps average the
       whole gradient, as ``full`` does (the early steps are where a rank-``rank`` update costs the most loss).
@@ -262,6 +264,11 @@ class AveragingConfig(_Strict):
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="DiLoCo outer learning rate (diloco only)")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="DiLoCo outer Nesterov momentum (diloco only)")
     q: int = Field(default=1, ge=0, le=4, description="blocking Mix2 ring rounds per outer step (gossip only)")
+    agreement_tolerance: float = Field(
+        default=1e-5, ge=0, le=0.01,
+        description="full/powersgd: replicas at one step whose sampled parameters differ by at most this relative "
+        "distance agree (rounding: replicas on other devices or optimizer kernels); a larger distance is repaired by "
+        "a state download. 0: only bit-identical replicas agree")
 
     @model_validator(mode="after")
     def _settings_of_the_scheme(self) -> "AveragingConfig":
@@ -281,6 +288,9 @@ class AveragingConfig(_Strict):
         if self.scheme not in ("diloco", "gossip") and changed("outer_lr", "outer_momentum"):
             raise ValueError(f"averaging.outer_lr/outer_momentum only apply to schemes 'diloco' and 'gossip' "
                              f"(scheme is {self.scheme!r}); remove them or set averaging.scheme: diloco or gossip")
+        if self.scheme not in ("full", "powersgd") and changed("agreement_tolerance"):
+            raise ValueError(f"averaging.agreement_tolerance only applies to schemes 'full' and 'powersgd' (scheme is "
+                             f"{self.scheme!r}: its replicas differ between rounds by design); remove it")
         if self.scheme != "gossip" and changed("q"):
             raise ValueError(f"averaging.q only applies to scheme 'gossip' (scheme is {self.scheme!r}); remove it "
                              f"or set averaging.scheme: gossip")

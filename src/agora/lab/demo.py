@@ -138,12 +138,18 @@ class LinkOptions:
 
 @dataclass(frozen=True)
 class NodeExtras:
-    """``agora node`` options every stage node gets: checkpoints, a checkpoint to resume from, raw ``args``."""
+    """``agora node`` options every stage node gets: checkpoints, a checkpoint to resume from, raw ``args``;
+    ``mixed_args``: more options for every second replica of each stage (a mixed swarm, ``agora demo --mixed``)."""
 
     checkpoint_dir: Optional[Path] = None
     checkpoint_every: int = 0
     resume: Optional[Path] = None
     args: Optional[list[str]] = None
+    mixed_args: Optional[list[str]] = None
+
+    def replica_argv(self, replica: int) -> list[str]:
+        """The options of replica ``replica`` of a stage beyond ``argv``: ``mixed_args`` for the odd ones."""
+        return list(self.mixed_args or []) if replica % 2 == 1 else []
 
     def argv(self) -> list[str]:
         """The arguments appended to every ``agora node`` command line."""
@@ -271,7 +277,8 @@ class DemoRun:
         self.dht = self._connect(maddr)
         for stage in range(self.manifest.n_stages):
             for replica in range(shape.replicas):
-                self.swarm.start_node(stage, refuse_inbound=replica == 0 and stage in self.options.link.refuse_inbound)
+                self.swarm.start_node(stage, refuse_inbound=replica == 0 and stage in self.options.link.refuse_inbound,
+                                      extra_args=self.options.nodes.replica_argv(replica))
         if self.options.dashboard_port is not None:
             self.dashboard = self.swarm.start_dashboard(self.options.dashboard_port)
             self.record.events.append(f"dashboard at http://127.0.0.1:{self.options.dashboard_port}/")

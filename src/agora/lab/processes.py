@@ -178,14 +178,16 @@ class Swarm:
             time.sleep(0.2)
         raise TimeoutError(f"bootstrap did not print its address within {timeout:.0f}s; see {child.log}")
 
-    def start_node(self, stage: Optional[int], more_peers: Sequence[str] = (), refuse_inbound: bool = False) -> Child:
+    def start_node(self, stage: Optional[int], more_peers: Sequence[str] = (), refuse_inbound: bool = False,
+                   extra_args: Sequence[str] = ()) -> Child:
         """Start a stage node for ``stage`` (None: ``--stage auto``, the node picks the weakest stage), joining
         through the bootstrap peer and ``more_peers`` (live peers' addresses: the bootstrap peer may be dead);
-        ``refuse_inbound``: behind a firewall that drops inbound connections (a home router)."""
+        ``refuse_inbound``: behind a firewall that drops inbound connections (a home router); ``extra_args``: more
+        ``agora node`` options for this node only (later options win over the swarm's)."""
         peers = [self.maddr, *[p for p in more_peers if p != self.maddr]]
         args = ["--manifest", str(self.manifest_path), *[a for p in peers for a in ("--initial-peers", p)],
                 "--stage", "auto" if stage is None else str(stage), "--threads", str(self.threads),
-                *self.extra_node_args]
+                *self.extra_node_args, *extra_args]
         return self._spawn("node", args, stage, refuse_inbound)
 
     def start_trainer(self, index: int, count: int, in_flight: int, val_batches: int,

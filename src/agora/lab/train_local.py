@@ -17,7 +17,7 @@ from agora.config import Manifest
 from agora.data import build_datasets
 from agora.devices import autocast, check_precision, memory_report, resolve_device
 from agora.model import PipelineModel, count_parameters, flops_per_token, warmup_end, warmup_measurement
-from agora.optim import build_optimizer, lr_at, set_lr
+from agora.optim import build_optimizer, lr_at, set_lr, use_fused_kernel
 from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters, warmup_holds
 
 
@@ -70,6 +70,7 @@ def train_model(
     precision: str = "fp32",
     checkpoint_blocks: bool = False,
     reverse_accumulation: bool = False,
+    optimizer_kernel: str = "auto",
 ) -> tuple[dict, PipelineModel]:
     """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences: (summary, trained model); the
     summary is also written to ``out_dir``.
@@ -86,11 +87,13 @@ def train_model(
     the tracker's (``CurvatureTracker``).
 
     ``device``, ``precision``, ``checkpoint_blocks``: as a node's ``--device``, ``--precision`` (bf16: autocast
-    over fp32 weights) and ``--checkpoint-blocks``; the defaults are the bit-exact CPU baseline.
+    over fp32 weights), ``--checkpoint-blocks`` and ``--optimizer-kernel`` (``auto``: torch's fused AdamW on CUDA);
+    the defaults are the bit-exact CPU baseline.
     ``reverse_accumulation``: each step's microbatches are backpropagated in reverse order: the same gradient sum,
     rounded differently (``agora bench convergence``'s noise-floor row)."""
     dev = resolve_device(device)
     check_precision(dev, precision)
+    fused = use_fused_kernel(optimizer_kernel, manifest.optimizer.name, dev)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(manifest.seed)
@@ -102,7 +105,7 @@ def train_model(
         stage.checkpoint_blocks = checkpoint_blocks
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    opt = build_optimizer(model, manifest.optimizer, seed=manifest.seed)
+    opt = build_optimizer(model, manifest.optimizer, seed=manifest.seed, fused=fused)
     mb, target = manifest.batch.microbatch_size, manifest.batch.target_batch_size
     accum = max(1, target // mb)
     batches = train.batches(mb, seed=manifest.seed)
@@ -148,7 +151,8 @@ def train_model(
     summary = _summary(manifest, steps, tokens, wall, cpu, history, evals)
     summary["curvature"] = curvature.summary() if curvature is not None else None
     summary["warmup"] = {"mode": warm.mode, "clock": clock, "held_steps": held} if warm is not None else None
-    summary["compute"] = {**memory_report(dev), "precision": precision, "checkpoint_blocks": checkpoint_blocks}
+    summary["compute"] = {**memory_report(dev), "precision": precision, "checkpoint_blocks": checkpoint_blocks,
+                          "optimizer_kernel": "fused" if fused else "single"}
     if out_dir is not None:
         _write(summary, Path(out_dir))
     return summary, model

@@ -82,6 +82,9 @@ class StageRecord:
     # The parameters' values at seeded positions, the same on every replica of the stage: consensus distance.
     param_sample: list[float] = field(default_factory=list)
     param_sample_step: int = -1  # the step the sample was taken after
+    # How this peer computes its stage's messages ("fp32", "bf16"; "" from an older peer): auditors recompute a
+    # message at its sender's precision (server/screening.py).
+    precision: str = ""
     # "direct" (a peer connected back to its port), "relayed" (none could: it serves through libp2p relays),
     # "unknown" (nobody answered the dial-back yet), "" (an older peer); net/reachability.py
     reachability: str = ""
@@ -170,6 +173,23 @@ def sampled_consensus_distance(records: Sequence["StageRecord"]) -> Optional[flo
         return None
     spread = sum(math.sqrt(sum((a - b) ** 2 for a, b in zip(x, mean))) for x in samples) / n
     return spread / norm
+
+
+def sampled_relative_distance(ours: Sequence[float], theirs: Sequence[float]) -> Optional[float]:
+    """``||ours - theirs|| / ||ours||`` of two replicas' parameter samples (the same seeded positions); None when the
+    samples cannot be compared (another length, empty, not finite numbers: another peer's record is untrusted)."""
+    if not ours or len(ours) != len(theirs):
+        return None
+    try:
+        a = [float(x) for x in ours]
+        b = [float(x) for x in theirs]
+    except (TypeError, ValueError):
+        return None
+    norm = math.sqrt(sum(x * x for x in a))
+    diff = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
+    if not (math.isfinite(norm) and math.isfinite(diff)) or norm == 0.0:
+        return None
+    return diff / norm
 
 
 def read_subkeys(dht: DHT, key: str, latest: bool = True) -> dict[str, Any]:

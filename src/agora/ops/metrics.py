@@ -157,7 +157,8 @@ class NodeCollector(Collector):
             mem = n.runtime.memory()
             yield InfoMetricFamily("agora_compute", "Where and how this peer computes its stage.",
                                    value={k: str(mem[k]) for k in ("device", "precision", "backward",
-                                                                   "offload_optimizer", "checkpoint_blocks")})
+                                                                   "offload_optimizer", "checkpoint_blocks",
+                                                                   "optimizer_kernel")})
             if mem["device_peak_bytes"] is not None:
                 yield GaugeMetricFamily("agora_device_peak_bytes", "Most device memory held by tensors at once since "
                                         "the node started (CUDA allocator).", value=mem["device_peak_bytes"])
@@ -207,6 +208,10 @@ class NodeCollector(Collector):
             yield CounterMetricFamily("agora_realigned_steps", "Partial steps taken because the rest of the batch "
                                       "left with a replica that moved or died (the other stages had stepped).",
                                       value=sync.realigned_steps)
+            yield CounterMetricFamily("agora_agreed_within_tolerance", "Replicas at our step found with another "
+                                      "fingerprint but sampled parameters within averaging.agreement_tolerance "
+                                      "(rounding of another device or optimizer kernel; no download).",
+                                      value=sync.tolerated)
             if sync.consensus_distance is not None:
                 yield GaugeMetricFamily("agora_consensus_distance", "Relative spread of the stage replicas' "
                                         "parameters at one step, from seeded samples (0: identical).",

@@ -23,15 +23,37 @@ def lr_at(cfg: OptimizerConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+OPTIMIZER_KERNELS = ("auto", "single", "fused")
+
+
+def use_fused_kernel(kernel: str, optimizer: str, step_device: torch.device) -> bool:
+    """Whether an optimizer steps with torch's fused AdamW kernel: ``kernel`` is a peer's ``--optimizer-kernel``
+    (``single``: the single-tensor loop, bit-identical to ``train-local`` on a CPU; ``fused``; ``auto``: fused when
+    ``optimizer`` is adamw and it steps on a CUDA device, where the loop launches a dozen kernels per tensor)."""
+    if kernel not in OPTIMIZER_KERNELS:
+        raise ValueError(f"--optimizer-kernel {kernel!r}: use one of {', '.join(OPTIMIZER_KERNELS)}")
+    if kernel == "fused":
+        if optimizer != "adamw":
+            raise ValueError(f"--optimizer-kernel fused: there is a fused kernel for adamw only (the manifest's "
+                             f"optimizer is {optimizer!r}); use --optimizer-kernel single")
+        return True
+    return kernel == "auto" and optimizer == "adamw" and step_device.type == "cuda"
+
+
 def build_optimizer(module: nn.Module, cfg: OptimizerConfig, delay: int = 0, names: Optional[list[str]] = None,
-                    seed: int = 0) -> torch.optim.Optimizer:
+                    seed: int = 0, fused: bool = False) -> torch.optim.Optimizer:
     """AdamW, delay-aware NAdam, Muon or NuMuon, with weight decay on matrices only (norm gains and 1-d tensors are
     not decayed).
 
     ``delay`` is the stage's pipeline staleness in optimizer steps; only NAdam with ``lookahead`` uses it. ``names``:
     the parameters' names when ``module`` names them otherwise (host copies); Muon tells block matrices from the
-    embedding and LM head by name. ``seed``: Muon's sketch seed (the run's seed: replicas must agree).
+    embedding and LM head by name. ``seed``: Muon's sketch seed (the run's seed: replicas must agree). ``fused``:
+    torch's fused AdamW kernel (one kernel for every tensor; adamw only) instead of the single-tensor loop. Both
+    compute the same update, rounded differently: replicas with different kernels agree within the averaging
+    scheme's tolerance, not bit for bit.
     """
+    if fused and cfg.name != "adamw":
+        raise ValueError(f"a fused optimizer kernel exists for adamw only (optimizer.name is {cfg.name!r})")
     named = list(module.named_parameters())
     if names is not None:
         if len(names) != len(named):
@@ -60,6 +82,8 @@ def build_optimizer(module: nn.Module, cfg: OptimizerConfig, delay: int = 0, nam
 
         return DelayedNAdam(groups, lr=lr_at(cfg, 0), betas=tuple(cfg.betas), momentum_decay=cfg.momentum_decay,
                             delay=delay if cfg.lookahead else 0)
+    if fused:
+        return torch.optim.AdamW(groups, lr=lr_at(cfg, 0), betas=tuple(cfg.betas), fused=True)
     return torch.optim.AdamW(groups, lr=lr_at(cfg, 0), betas=tuple(cfg.betas), foreach=False)
 
 

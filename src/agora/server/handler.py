@@ -19,6 +19,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from agora.config import Manifest
+from agora.devices import PRECISIONS
 from agora.net import transport
 from agora.net.state_transfer import StateSnapshots
 from agora.net.errors import NO_ANSWER
@@ -262,10 +263,17 @@ class StageHandler:
         """Recompute for a replica's receiver; nothing here trains on it, so it is not screened either."""
         if not (rt.is_tail or rt.is_head):
             raise self.reject("wrong_stage", "audits are served by the first and the last stage only")
-        if rt.is_tail:
-            out, version = await self.node.run_compute(rt.recompute_tail, tensors, rt.generation, meta.get("frame"))
-        else:
-            out, version = await self.node.run_compute(rt.recompute_head, tensors, rt.generation)
+        precision = meta.get("precision")  # the audited sender's (None: ours)
+        if precision is not None and precision not in PRECISIONS:
+            raise self.reject("bad_request", f"audit precision must be one of {', '.join(PRECISIONS)}")
+        try:
+            if rt.is_tail:
+                out, version = await self.node.run_compute(rt.recompute_tail, tensors, rt.generation,
+                                                           meta.get("frame"), precision)
+            else:
+                out, version = await self.node.run_compute(rt.recompute_head, tensors, rt.generation, precision)
+        except ValueError as err:  # a precision this device cannot compute in (bf16 on an old GPU)
+            raise self.reject("bad_request", str(err))
         return {"loss": None, "path": [self.node.peer_id], "version": version}, [out]
 
     async def _screen_activations(self, sender: str, meta: dict, tensors: list[torch.Tensor]) -> None:

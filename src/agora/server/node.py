@@ -500,6 +500,7 @@ class StageNode:
             addrs=self.maddrs,
             param_sample_step=sample_step,
             param_sample=list(sample),
+            precision=rt.options.precision,
             reachability=self.reachability_label(),
             metrics={
                 "forward": c.forward, "backward": c.backward, "tokens": c.tokens, "retried": c.retried,

@@ -30,7 +30,7 @@ from agora.model import KVCache, Stage, tied_parameter
 from agora.frames import FRAME_MAP, check_frame_map
 from agora.server.upm import FRAME_EPOCHS, FrameLedger
 from agora.net.transport import RpcError
-from agora.optim import build_optimizer, set_lr
+from agora.optim import OPTIMIZER_KERNELS, build_optimizer, set_lr, use_fused_kernel
 from agora.server.checkpoint import save_stage_checkpoint
 from agora.server.curvature import StageCurvature
 from agora.server.observers import Observers
@@ -140,6 +140,9 @@ class RuntimeOptions:
     :param checkpoint_blocks: per-block activation checkpointing inside the stage: a training forward keeps only each
       block's input and the backward recomputes one block at a time (same gradients; ``agora plan`` says when a
       stage needs it)
+    :param optimizer_kernel: ``single`` (the single-tensor AdamW loop: bit-identical to ``train-local`` on a CPU),
+      ``fused`` (torch's fused AdamW kernel: one launch for every tensor, adamw only), or ``auto``: fused when the
+      optimizer steps on a CUDA device with ``adamw``, single otherwise
     :param curvature_every: measure the stage's top preconditioned Hessian eigenvalue after every N-th optimizer
       step (0: never; server/curvature.py), with ``curvature_hvps`` Hessian-vector products, spending at most
       ``curvature_budget`` of the compute time on it
@@ -150,6 +153,7 @@ class RuntimeOptions:
     backward: str = "stash"
     offload_optimizer: bool = False  # fp32 master weights, Adam moments and the step in host RAM
     checkpoint_blocks: bool = False
+    optimizer_kernel: str = "auto"
     curvature_every: int = 0
     curvature_hvps: int = 3
     curvature_budget: float = 0.05
@@ -159,6 +163,9 @@ class RuntimeOptions:
             raise ValueError(f"--precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.backward not in BACKWARDS:
             raise ValueError(f"--backward {self.backward!r}: use one of {', '.join(BACKWARDS)}")
+        if self.optimizer_kernel not in OPTIMIZER_KERNELS:
+            raise ValueError(f"--optimizer-kernel {self.optimizer_kernel!r}: use one of "
+                             f"{', '.join(OPTIMIZER_KERNELS)}")
         if self.curvature_every < 0 or not 1 <= self.curvature_hvps <= 5 or not 0 < self.curvature_budget <= 1:
             raise ValueError(f"curvature: every {self.curvature_every} must be >= 0, hvps {self.curvature_hvps} in "
                              f"1..5, budget {self.curvature_budget} in (0, 1]")
@@ -228,8 +235,11 @@ class StageRuntime:
         # What the optimizer steps: the stage's own parameters, or their host copies (offload). ``_master`` maps
         # each parameter to the tensor the optimizer holds state for.
         self._masters = _HostMasters(self.stage) if options.offload_optimizer else None
+        self.fused_optimizer = use_fused_kernel(options.optimizer_kernel, manifest.optimizer.name,
+                                                torch.device("cpu") if options.offload_optimizer else self.device)
         self.optimizer = build_optimizer(self._masters or self.stage, manifest.optimizer, seed=manifest.seed,
-                                         names=[n for n, _ in self.stage.named_parameters()])
+                                         names=[n for n, _ in self.stage.named_parameters()],
+                                         fused=self.fused_optimizer)
         self.counters = counters
         self.observers = observers
         upm = manifest.security.upm
@@ -392,15 +402,17 @@ class StageRuntime:
         """A received tensor on this stage's device."""
         return tensor.to(self.device, non_blocking=True) if tensor.device != self.device else tensor
 
-    def _autocast(self):
-        return autocast(self.device, self.options.precision)
+    def _autocast(self, precision: Optional[str] = None):
+        """Autocast at this peer's precision, or at ``precision`` (an audit recomputes at its sender's)."""
+        return autocast(self.device, precision or self.options.precision)
 
     def memory(self) -> dict:
         """How this peer computes and the memory it used: device peak (CUDA), host resident set now and at its peak
         (``agora.devices.memory_report``). For summaries, records and /metrics."""
         o = self.options
         return {**memory_report(self.device), "precision": o.precision, "backward": o.backward,
-                "offload_optimizer": o.offload_optimizer, "checkpoint_blocks": o.checkpoint_blocks}
+                "offload_optimizer": o.offload_optimizer, "checkpoint_blocks": o.checkpoint_blocks,
+                "optimizer_kernel": "fused" if self.fused_optimizer else "single"}
 
     def boundary(self, pending: Pending) -> Boundary:
         """What this (non-tail) stage sends downstream for ``pending``: the compressed output, through the output
@@ -521,27 +533,33 @@ class StageRuntime:
         self.loss_ema = loss if math.isnan(self.loss_ema) else 0.9 * self.loss_ema + 0.1 * loss
 
     # ------------------------------------------------------------------ audits (SENTINEL)
-    def recompute_head(self, tensors: list[torch.Tensor], generation: int) -> tuple[torch.Tensor, list]:
+    def recompute_head(self, tensors: list[torch.Tensor], generation: int,
+                       precision: Optional[str] = None) -> tuple[torch.Tensor, list]:
         """An audit request to a head: the boundary coordinates it sends for these tokens, without training (the
         same computation as a training forward, whose stashed weights equal the live ones of that version; not so
-        with ``optimizer.lookahead``, which is why a node refuses ``--sentinel`` with it)."""
+        with ``optimizer.lookahead``, which is why a node refuses ``--sentinel`` with it). ``precision``: the
+        audited sender's (None: ours): a bf16 message differs from an fp32 recomputation by far more than
+        rounding."""
         self.check_generation(generation)
+        check_precision(self.device, precision or self.options.precision)
         tokens = self._in(tensors[-2]).long()
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._autocast(precision):
             out = self.stage(tokens)
         coords = compress(out.float(), tokens, self.stage.basis, self.manifest.residual.wire_dtype).coords
         return coords.cpu(), self.sent_version(self.step)
 
     def recompute_tail(self, tensors: list[torch.Tensor], generation: int,
-                       frame: Optional[int] = None) -> tuple[torch.Tensor, list]:
+                       frame: Optional[int] = None, precision: Optional[str] = None) -> tuple[torch.Tensor, list]:
         """An audit request: the gradient this tail returns for ``tensors``, without training on it (no parameter
         gradients, samples or throughput counted), and the version of the weights used. The same computation as
-        ``forward`` + ``finish_tail``, so that an honest tail at the same version reproduces it bit for bit."""
+        ``forward`` + ``finish_tail``, so that an honest tail at the same version and ``precision`` (the audited
+        sender's; None: ours) reproduces it bit for bit on the same kind of device."""
         self.check_generation(generation)
+        check_precision(self.device, precision or self.options.precision)
         tokens, last = self._in(tensors[-2]).long(), self._in(tensors[-1]).long()
         coords, back = self._into_frame(tensors[0], frame)
         with torch.enable_grad():
-            with self._autocast():
+            with self._autocast(precision):
                 leaf, out = self.forward_from(coords, tokens)
                 loss = self.stage.loss(out, next_token_targets(tokens, last)) * tokens.shape[0]
             (grad,) = torch.autograd.grad(loss, leaf)
@@ -773,8 +791,11 @@ class StageRuntime:
                         if key != "step" and value.shape != q.shape:
                             raise ValueError(f"{name}: optimizer {key} of shape {tuple(value.shape)} != "
                                              f"{tuple(q.shape)}")
+                    # The fused kernel keeps its step counts beside the parameters; the loop keeps them on the CPU.
+                    step_device = q.device if self.fused_optimizer else "cpu"
                     self.optimizer.state[q] = {
-                        key: (value.reshape(()).clone().float() if key == "step" else value.to(q.device, copy=True))
+                        key: (value.reshape(()).to(step_device, torch.float32, copy=True) if key == "step"
+                              else value.to(q.device, copy=True))
                         for key, value in st.items()}
                 else:
                     self.optimizer.state.pop(q, None)

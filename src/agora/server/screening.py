@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Optional
 import torch
 
 from agora.config import Manifest
+from agora.devices import PRECISIONS
 from agora.net import transport
 from agora.net.protocol import FWD_BWD
 from agora.net.records import PeerState, StageRecord, read_stage
@@ -156,8 +157,9 @@ class Screening:
         task.add_done_callback(_log_task_error)
         self._audits.add(task)
 
-    async def _auditors(self, msg: Message) -> tuple[list[StageRecord], int]:
-        """(replicas of the sender's stage that may recompute ``msg``, best first; the boundary it crossed)."""
+    async def _auditors(self, msg: Message) -> tuple[list[StageRecord], int, Optional[str]]:
+        """(replicas of the sender's stage that may recompute ``msg``, best first; the boundary it crossed; the
+        precision the sender's record announces, None when unknown)."""
         if msg.direction == "bwd":
             records, boundary = self.next_records(), self.stage_index
         else:
@@ -166,14 +168,23 @@ class Screening:
                                                              self.manifest.hash)
                 self._head_records_at = time.monotonic()
             records, boundary = self._head_records, self.stage_index - 1
-        return rank_auditors(records, msg.sender, self.banned_peers(), version_key(msg.version)), boundary
+        sender = next((r for r in records if r.peer_id == msg.sender), None)
+        precision = sender.precision if sender is not None and sender.precision in PRECISIONS else None
+        return rank_auditors(records, msg.sender, self.banned_peers(), version_key(msg.version)), boundary, precision
 
     async def _run_audit(self, msg: Message, meta: dict, tensors: list, flagged: bool = False) -> None:
         """Ask a replica of the sender's stage at the sender's step for the same message (``audit``: computed, not
         trained on); if it differs, ask a second one, then let SENTINEL judge (``recomputed``)."""
-        others, boundary = await self._auditors(msg)
+        others, boundary, precision = await self._auditors(msg)
         if msg.direction == "fwd":
             meta, tensors = dict(meta, stage=0), tensors[-2:]  # the head needs the tokens only
+        # Recomputed at the sender's precision: bf16 and fp32 messages of one weight version differ by 0.6-0.8%
+        # (tiny, small), far beyond the audit tolerance, so two fp32 auditors would convict an honest bf16 sender.
+        # A sender that announces another precision than it computes in only gets its messages compared with
+        # recomputations further from them.
+        meta = {k: v for k, v in meta.items() if k != "precision"}
+        if precision is not None:
+            meta["precision"] = precision
         results: list = []
         for rec in others[:AUDITORS_ASKED]:
             try:

@@ -3,7 +3,9 @@
 Why float64: hivemind applies the result as ``local += (average - local)``; in float32 that leaves replicas a
 rounding error apart, in float64 the error vanishes when cast back to float32, so replicas stay bit-identical and a
 fingerprint mismatch at one step means a real divergence (a failed round, a local fallback step), repaired by
-adopting the state of the replica with the smallest peer id.
+adopting the state of the replica with the smallest peer id. Replicas whose steps round differently (another device
+or optimizer kernel) agree when their sampled parameters are within ``averaging.agreement_tolerance``
+(``ReplicaSync.agrees_with``).
 """
 
 from __future__ import annotations
@@ -72,9 +74,11 @@ class FullSync(ReplicaSync):
             # the replica with the smallest peer id. No round is running for this step, so none is cut short.
             known = [r for r in same if r.fingerprint]
             leader = min(known, key=lambda r: r.peer_id, default=None)
-            if leader is not None and leader.peer_id < c.peer_id and leader.fingerprint != self.fingerprint:
+            if leader is not None and leader.peer_id < c.peer_id and self.agrees_with(leader) is False:
+                d = self.agreement_distance
+                distance = "" if d is None else f" (sampled distance {d:.2g})"
                 logger.warning(f"stage {c.stage_index}: parameters differ from replica {leader.peer_id[-8:]} at "
-                               f"step {rt.step}; adopting its state")
+                               f"step {rt.step}{distance}; adopting its state")
                 await self.download_from_any([leader], keep_grads=True)
                 return
         if averaging:

@@ -31,6 +31,7 @@ from agora.net import transport
 from agora.net.protocol import INFO, OVER_SHARE
 from agora.net.state_transfer import PAGE_BYTES, fetch_state
 from agora.net.records import (RECORD_TTL_S, PeerState, StageRecord, read_stage, read_swarm_bans,
+                               sampled_relative_distance,
                                 sampled_consensus_distance, trainers_training)
 from agora.net.transport import RpcError
 from agora.server.averaging.allreduce import CountingCompression
@@ -230,6 +231,11 @@ class ReplicaSync:
         # seen two replicas at one step. 0 for bit-identical schemes (full, powersgd) at every step.
         self.consensus_distance: Optional[float] = None
         self.stepping = False  # between taking the batch's gradients and applying the step (``round``)
+        # Agreement within tolerance (``agrees_with``): at how many steps a replica's other fingerprint was rounding
+        # only, and the sampled relative distance measured the last time.
+        self.tolerated = 0
+        self._tolerated_step = -1
+        self.agreement_distance: Optional[float] = None
         self.share_overflows = 0  # retried microbatches taken beyond our share (the others' counts looked stale)
         self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
         self.realigned_steps = 0  # partial steps taken because the rest of the batch was lost (``_left_behind``)
@@ -457,6 +463,41 @@ class ReplicaSync:
     def fingerprint_valid(self) -> bool:
         return self.fingerprint_step == self.ctx.runtime.step
 
+    def agrees_with(self, other: StageRecord) -> Optional[bool]:
+        """Whether we hold the parameters of ``other``, a replica at our step: the same fingerprint, or parameter
+        samples (``StageRecord.param_sample``) within ``averaging.agreement_tolerance`` of each other (relative
+        distance). None when that cannot be told yet: a sample taken at another step (the record is a moment
+        behind the parameters); the caller looks again at its next tick.
+
+        Why a tolerance: replicas that apply one averaged update stay bit-identical only when their optimizer
+        steps round alike; a replica on a GPU (other kernels, fused multiply-adds) or with a fused optimizer drifts
+        from a CPU one by a few units in the last place per step, a random walk that stays far below the change of
+        a single missed or extra step (docs/AVERAGING.md). Downloading the state at every such mismatch would never end.
+        On agreement we announce ``other``'s fingerprint as ours: the replicas then claim one version, and
+        SENTINEL keeps comparing their messages as it does for bit-identical replicas (they differ by rounding,
+        within its audit tolerance)."""
+        if other.fingerprint == self.fingerprint:
+            return True
+        tolerance = self.ctx.manifest.averaging.agreement_tolerance
+        self.agreement_distance = None
+        if tolerance <= 0 or not other.param_sample:
+            return False
+        rt = self.ctx.runtime
+        sample_step, sample = rt.parameter_sample
+        if other.param_sample_step != rt.step or sample_step != rt.step or not self.fingerprint_valid:
+            return None
+        distance = sampled_relative_distance(sample, other.param_sample)
+        if distance is None:
+            return False
+        self.agreement_distance = distance
+        if distance > tolerance:
+            return False
+        if self._tolerated_step != rt.step:
+            self.tolerated += 1
+            self._tolerated_step = rt.step
+        self.fingerprint = other.fingerprint
+        return True
+
     async def initial_sync(self, timeout: Optional[float] = None, attempts: int = 5) -> bool:
         """Take the state of the freshest serving replica before serving; bounded by ``timeout`` (default:
         ``default_sync_timeout_s`` of the stage's state) and ``attempts``.
@@ -477,8 +518,8 @@ class ReplicaSync:
                 return True
             best = max(r.step for r in serving)
             freshest = [r for r in serving if r.step == best]
-            known = [r.fingerprint for r in freshest if r.fingerprint]
-            same_state = not known or self.fingerprint in known
+            known = [r for r in freshest if r.fingerprint]
+            same_state = not known or any(self.agrees_with(r) for r in known)
             if best < rt.step or (best == rt.step and same_state):
                 return True
             left = max(1.0, min(self.ctx.state_page_timeout_s, deadline - time.monotonic()))
