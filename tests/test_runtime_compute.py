@@ -175,6 +175,14 @@ def test_a_cuda_replica_stays_within_the_agreement_tolerance_of_a_cpu_replica():
         pa = torch.cat([p.detach().reshape(-1) for p in a.stage.parameters()]).double()
         pb = torch.cat([p.detach().cpu().reshape(-1) for p in b.stage.parameters()]).double()
         assert float((pa - pb).norm() / pa.norm()) < MAN.averaging.agreement_tolerance / 100
+    # A CPU replica's state continues on the GPU's fused kernel (its step counts move beside the parameters).
+    for a, b in zip(cpu, gpu):
+        b.import_state(*a.export_state())
+        grads = [torch.full(p.shape, 0.01, dtype=torch.float64) for p in a.stage.parameters()]
+        a.apply_step(grads)
+        b.apply_step(grads)
+        for x, y in zip(a.stage.parameters(), b.stage.parameters()):
+            torch.testing.assert_close(y.cpu(), x, rtol=1e-5, atol=1e-6)
 
 
 def test_a_bf16_fused_replica_and_an_fp32_replica_of_one_stage_agree_within_tolerance():

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from agora.config import load_manifest
@@ -89,12 +90,25 @@ def test_a_bf16_head_is_audited_at_its_own_precision_and_not_convicted(tmp_path)
 
     async def main():
         async with local_swarm(MAN, [1, 0, 0, 0], [tail_opts, OPTS, OPTS, bf16]) as (boot, peers, nodes):
-            tail, mixed = nodes[0], nodes[3]
+            tail, plain, mixed = nodes[0], nodes[1], nodes[3]
             await wait_until(lambda: mixed.record().precision == "bf16", 10, "the bf16 head's record")
-            await _train_until_banned(await boot.replicate_p2p(), [mixed], tail, mixed, 12, seed=2)
-            return tail.sentinel.banned_peers(), tail.sentinel.summary(), mixed.peer_id
+            p2p = await boot.replicate_p2p()
+            await _train_until_banned(p2p, [mixed], tail, mixed, 12, seed=2)
+            # An audit request names the precision to recompute at; the fp32 head computes the bf16 head's message
+            # bit for bit at bf16, and refuses a precision that does not exist.
+            tokens = torch.randint(0, MAN.model.vocab_size, (4, MAN.model.seq_len), dtype=torch.int32)
+            last = torch.randint(0, MAN.model.vocab_size, (4,), dtype=torch.int32)
+            meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 0, "train": False, "audit": True}
+            answers = [(await transport.call(p2p, head.peer_id, MAN.run_id, FWD_BWD, dict(meta, precision=p),
+                                             [tokens, last], timeout=60))[1][0]
+                       for head, p in ((mixed, None), (plain, "bf16"), (plain, "fp32"))]
+            with pytest.raises(transport.RpcError, match="bad_request"):
+                await transport.call(p2p, plain.peer_id, MAN.run_id, FWD_BWD, dict(meta, precision="fp16"),
+                                     [tokens, last], timeout=60)
+            return tail.sentinel.banned_peers(), tail.sentinel.summary(), mixed.peer_id, answers
 
-    banned, summary, mixed = asyncio.run(main())
+    banned, summary, mixed, (bf16_own, bf16_audit, fp32_audit) = asyncio.run(main())
+    assert torch.equal(bf16_own, bf16_audit) and not torch.equal(bf16_own, fp32_audit)
     assert not banned, summary
     audits = [json.loads(line) for line in log.read_text().splitlines()]
     audits = [a for a in audits if a["direction"] == "audit fwd" and a["sender"] == mixed]

@@ -308,6 +308,7 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         # averaging.agreement_tolerance (rounding: another device or optimizer kernel), and the last distance seen
         "agreed_within_tolerance": sum(s.tolerated for s in syncs),
         "agreement_distance": sync.agreement_distance if sync else None,
+        "agreement_max_distance": sync.agreement_max_distance if sync else None,
         "duplicate_microbatches": node.handler.exactly_once.duplicates,
         # Training requests dropped before they committed: their callers had gone (a hedge won elsewhere) or this
         # process was frozen while they were in flight (server/freeze.py); and the freezes themselves.

@@ -3,7 +3,7 @@
 Why a choice at all: hivemind's butterfly all-reduce returns each peer a delta and applies ``local += delta``; only
 a return path more precise than fp32 keeps the float32 result bit-identical on every replica. A cheaper wire dtype
 saves bytes but costs bit-identity (replicas drift from ~1 ulp (fp32) to ~1e-3 relative (fp16, bf16) apart per
-round), which the fingerprint repair would then see as divergence. ``FP64`` is therefore the default and today's
+round): ulps stay within ``averaging.agreement_tolerance``, 1e-3 per round is a divergence the repair would see. ``FP64`` is therefore the default and today's
 only bit-identical choice; the codecs are not wired into ``agora.server.averaging`` yet.
 
 Details (the per-codec table, how to wire a codec in, what the repair would need, bytes per round):

@@ -271,6 +271,7 @@ def _node_row(child: Child, s: dict) -> dict:
             "realigned_steps": s.get("realigned_steps", 0),
             "agreed_within_tolerance": s.get("agreed_within_tolerance", 0),
             "agreement_distance": s.get("agreement_distance"),
+            "agreement_max_distance": s.get("agreement_max_distance"),
             "duplicate_microbatches": s.get("duplicate_microbatches", 0), "incoming": s.get("incoming"),
             "dropped_microbatches": s.get("dropped_microbatches", 0), "freezes": s.get("freezes", 0),
             "frozen_s": s.get("frozen_s", 0.0), "hedges_downstream": s.get("hedges_downstream", 0),

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
@@ -158,7 +159,8 @@ def sampled_consensus_distance(records: Sequence["StageRecord"]) -> Optional[flo
     """Consensus distance of a stage's replicas from their records' parameter samples: mean ``||s_i - mean||`` over
     ``||mean||`` among the serving replicas whose samples were taken after the most common step (replicas a step
     apart differ by that step, not by disagreement). None with fewer than two such replicas."""
-    serving = [r for r in records if r.state == "serving" and r.param_sample and r.param_sample_step >= 0]
+    serving = [r for r in records if r.state == "serving" and _real_numbers(r.param_sample)
+               and isinstance(r.param_sample_step, int) and r.param_sample_step >= 0]
     if not serving:
         return None
     steps = [r.param_sample_step for r in serving]
@@ -166,27 +168,32 @@ def sampled_consensus_distance(records: Sequence["StageRecord"]) -> Optional[flo
     samples = [r.param_sample for r in serving if r.param_sample_step == step]
     if len(samples) < 2 or len({len(x) for x in samples}) != 1:
         return None
-    n = len(samples)
-    mean = [sum(col) / n for col in zip(*samples)]
-    norm = math.sqrt(sum(v * v for v in mean))
-    if not math.isfinite(norm) or norm == 0.0:
+    with np.errstate(over="ignore", invalid="ignore"):
+        stacked = np.asarray(samples, dtype=np.float64)
+        mean = stacked.mean(axis=0)
+        norm = float(np.linalg.norm(mean))
+        spread = float(np.linalg.norm(stacked - mean, axis=1).mean())
+    if not (math.isfinite(norm) and math.isfinite(spread)) or norm == 0.0:
         return None
-    spread = sum(math.sqrt(sum((a - b) ** 2 for a, b in zip(x, mean))) for x in samples) / n
     return spread / norm
 
 
-def sampled_relative_distance(ours: Sequence[float], theirs: Sequence[float]) -> Optional[float]:
+def _real_numbers(values: object) -> bool:
+    """Whether ``values`` (from an untrusted record) is a non-empty list of real numbers."""
+    return (isinstance(values, (list, tuple)) and len(values) > 0
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values))
+
+
+def sampled_relative_distance(ours: Sequence[float], theirs: object) -> Optional[float]:
     """``||ours - theirs|| / ||ours||`` of two replicas' parameter samples (the same seeded positions); None when the
-    samples cannot be compared (another length, empty, not finite numbers: another peer's record is untrusted)."""
-    if not ours or len(ours) != len(theirs):
+    samples cannot be compared (not a list of as many real numbers, empty, not finite, too large: ``theirs`` comes
+    from another peer's record and is untrusted)."""
+    if not ours or not _real_numbers(theirs) or len(ours) != len(theirs):
         return None
-    try:
-        a = [float(x) for x in ours]
-        b = [float(x) for x in theirs]
-    except (TypeError, ValueError):
-        return None
-    norm = math.sqrt(sum(x * x for x in a))
-    diff = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = np.asarray(ours, dtype=np.float64)
+        b = np.asarray(theirs, dtype=np.float64)
+        norm, diff = float(np.linalg.norm(a)), float(np.linalg.norm(a - b))
     if not (math.isfinite(norm) and math.isfinite(diff)) or norm == 0.0:
         return None
     return diff / norm

@@ -157,34 +157,38 @@ class Screening:
         task.add_done_callback(_log_task_error)
         self._audits.add(task)
 
-    async def _auditors(self, msg: Message) -> tuple[list[StageRecord], int, Optional[str]]:
+    async def _auditors(self, msg: Message) -> tuple[list[StageRecord], int, Optional[StageRecord]]:
         """(replicas of the sender's stage that may recompute ``msg``, best first; the boundary it crossed; the
-        precision the sender's record announces, None when unknown)."""
+        sender's own record, None when it has none we can read)."""
         if msg.direction == "bwd":
             records, boundary = self.next_records(), self.stage_index
         else:
-            if time.monotonic() - self._head_records_at > 2.0:
+            fresh = time.monotonic() - self._head_records_at <= 2.0
+            if not fresh or not any(r.peer_id == msg.sender for r in self._head_records):  # a head that just joined
                 self._head_records = await self.hooks.run_io(read_stage, self.dht, self.manifest.run_id, 0,
                                                              self.manifest.hash)
                 self._head_records_at = time.monotonic()
             records, boundary = self._head_records, self.stage_index - 1
         sender = next((r for r in records if r.peer_id == msg.sender), None)
-        precision = sender.precision if sender is not None and sender.precision in PRECISIONS else None
-        return rank_auditors(records, msg.sender, self.banned_peers(), version_key(msg.version)), boundary, precision
+        return rank_auditors(records, msg.sender, self.banned_peers(), version_key(msg.version)), boundary, sender
 
     async def _run_audit(self, msg: Message, meta: dict, tensors: list, flagged: bool = False) -> None:
         """Ask a replica of the sender's stage at the sender's step for the same message (``audit``: computed, not
         trained on); if it differs, ask a second one, then let SENTINEL judge (``recomputed``)."""
-        others, boundary, precision = await self._auditors(msg)
+        others, boundary, sender = await self._auditors(msg)
+        if sender is None:
+            # Its precision is unknown: recomputed at another one, an honest message could be convicted.
+            logger.debug(f"no record of {msg.sender[-8:]}: its message is not audited")
+            return
         if msg.direction == "fwd":
             meta, tensors = dict(meta, stage=0), tensors[-2:]  # the head needs the tokens only
         # Recomputed at the sender's precision: bf16 and fp32 messages of one weight version differ by 0.6-0.8%
         # (tiny, small), far beyond the audit tolerance, so two fp32 auditors would convict an honest bf16 sender.
         # A sender that announces another precision than it computes in only gets its messages compared with
-        # recomputations further from them.
+        # recomputations further from them. (A record without one is an older peer's: the auditor's own.)
         meta = {k: v for k, v in meta.items() if k != "precision"}
-        if precision is not None:
-            meta["precision"] = precision
+        if sender.precision in PRECISIONS:
+            meta["precision"] = sender.precision
         results: list = []
         for rec in others[:AUDITORS_ASKED]:
             try:

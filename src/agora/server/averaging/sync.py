@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -232,10 +233,11 @@ class ReplicaSync:
         self.consensus_distance: Optional[float] = None
         self.stepping = False  # between taking the batch's gradients and applying the step (``round``)
         # Agreement within tolerance (``agrees_with``): at how many steps a replica's other fingerprint was rounding
-        # only, and the sampled relative distance measured the last time.
+        # only, the sampled relative distance measured the last time, and the largest one accepted.
         self.tolerated = 0
         self._tolerated_step = -1
         self.agreement_distance: Optional[float] = None
+        self.agreement_max_distance: Optional[float] = None
         self.share_overflows = 0  # retried microbatches taken beyond our share (the others' counts looked stale)
         self.share_redirects = 0  # training microbatches sent to another replica: this one had its share
         self.realigned_steps = 0  # partial steps taken because the rest of the batch was lost (``_left_behind``)
@@ -478,9 +480,13 @@ class ReplicaSync:
         within its audit tolerance)."""
         if other.fingerprint == self.fingerprint:
             return True
-        tolerance = self.ctx.manifest.averaging.agreement_tolerance
+        averaging = self.ctx.manifest.averaging
+        # Only schemes whose replicas apply one update have a tolerance (the others differ between rounds by design).
+        tolerance = averaging.agreement_tolerance if averaging.scheme in ("full", "powersgd") else 0.0
         self.agreement_distance = None
-        if tolerance <= 0 or not other.param_sample:
+        fingerprint = other.fingerprint  # announced as ours on agreement: a real number, whatever the record says
+        if (tolerance <= 0 or not other.param_sample or isinstance(fingerprint, bool)
+                or not isinstance(fingerprint, (int, float)) or not math.isfinite(fingerprint)):
             return False
         rt = self.ctx.runtime
         sample_step, sample = rt.parameter_sample
@@ -495,7 +501,8 @@ class ReplicaSync:
         if self._tolerated_step != rt.step:
             self.tolerated += 1
             self._tolerated_step = rt.step
-        self.fingerprint = other.fingerprint
+        self.agreement_max_distance = max(self.agreement_max_distance or 0.0, distance)
+        self.fingerprint = float(fingerprint)
         return True
 
     async def initial_sync(self, timeout: Optional[float] = None, attempts: int = 5) -> bool:
@@ -519,7 +526,7 @@ class ReplicaSync:
             best = max(r.step for r in serving)
             freshest = [r for r in serving if r.step == best]
             known = [r for r in freshest if r.fingerprint]
-            same_state = not known or any(self.agrees_with(r) for r in known)
+            same_state = not known or (best == rt.step and any(self.agrees_with(r) for r in known))
             if best < rt.step or (best == rt.step and same_state):
                 return True
             left = max(1.0, min(self.ctx.state_page_timeout_s, deadline - time.monotonic()))
