@@ -897,6 +897,8 @@ def demo(
     backward: str = typer.Option("stash", help="every node's --backward (stash or recompute)"),
     offload_optimizer: bool = typer.Option(False, help="every node's --offload-optimizer"),
     checkpoint_blocks: bool = typer.Option(False, help="every node's --checkpoint-blocks"),
+    rebalance: bool = typer.Option(True, "--rebalance/--no-rebalance",
+                                   help="let nodes move to the bottleneck stage (off: the layout stays as started)"),
     mixed: bool = typer.Option(False, help="a mixed swarm: every second replica of each stage computes in bf16 and "
                                            "steps with the fused AdamW kernel (as a GPU replica beside CPU ones "
                                            "would); replicas then agree within averaging.agreement_tolerance"),
@@ -951,7 +953,8 @@ def demo(
                          args=["--device", device, "--precision", precision, "--backward", backward,
                                "--curvature-every", str(curvature_every),
                                *(["--offload-optimizer"] if offload_optimizer else []),
-                               *(["--checkpoint-blocks"] if checkpoint_blocks else [])],
+                               *(["--checkpoint-blocks"] if checkpoint_blocks else []),
+                               *([] if rebalance else ["--rebalance-every", "0"])],
                          mixed_args=["--precision", "bf16", "--optimizer-kernel", "fused"] if mixed else None),
         allow_list=allow_list, live=not no_live, dashboard_port=dashboard_port if dashboard else None,
     ))

@@ -501,6 +501,9 @@ class ReplicaSync:
         if self._tolerated_step != rt.step:
             self.tolerated += 1
             self._tolerated_step = rt.step
+            if distance > tolerance / 10:  # far above rounding (~1e-8): a small divergence we accept, said once
+                logger.info(f"stage {self.ctx.stage_index}: parameters {distance:.2g} from replica "
+                            f"{other.peer_id[-8:]} at step {rt.step}, within the agreement tolerance {tolerance:g}")
         self.agreement_max_distance = max(self.agreement_max_distance or 0.0, distance)
         self.fingerprint = float(fingerprint)
         return True
