@@ -45,6 +45,16 @@ def _microbatch(runtimes, tokens, last, step_between=False):
     return loss, grads, upstream
 
 
+def _step_together(xs, ys, steps: int, seed: int = 0) -> None:
+    """Apply the same random (averaged) gradients to the runtimes ``xs`` and ``ys``, stage by stage."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for a, b in zip(xs, ys):
+            grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1 for p in a.stage.parameters()]
+            a.apply_step(grads)
+            b.apply_step(grads)
+
+
 @pytest.mark.parametrize("mode", ["subspace", "dense"])
 @pytest.mark.parametrize("step_between", [False, True], ids=["same-version", "step-in-flight"])
 @pytest.mark.parametrize("options", [RuntimeOptions(backward="recompute"), RuntimeOptions(checkpoint_blocks=True),
@@ -165,12 +175,7 @@ def test_a_cuda_replica_stays_within_the_agreement_tolerance_of_a_cpu_replica():
     drift apart by rounding only, far inside ``averaging.agreement_tolerance``, so such replicas never resync."""
     cpu, gpu = _runtimes(RuntimeOptions()), _runtimes(RuntimeOptions(device="cuda"))
     assert gpu[0].fused_optimizer and not cpu[0].fused_optimizer
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        for a, b in zip(cpu, gpu):
-            grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1 for p in a.stage.parameters()]
-            a.apply_step(grads)
-            b.apply_step(grads)
+    _step_together(cpu, gpu, 20)
     for a, b in zip(cpu, gpu):
         pa = torch.cat([p.detach().reshape(-1) for p in a.stage.parameters()]).double()
         pb = torch.cat([p.detach().cpu().reshape(-1) for p in b.stage.parameters()]).double()
@@ -279,12 +284,7 @@ def test_a_bf16_fused_replica_and_an_fp32_replica_of_one_stage_agree_within_tole
 def test_an_offloaded_optimizer_steps_exactly_as_one_beside_the_weights():
     """The optimizer's host copies step to the same weights and moments; state moves between the two kinds."""
     on, off = _runtimes(RuntimeOptions()), _runtimes(RuntimeOptions(offload_optimizer=True))
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        for a, b in zip(on, off):
-            grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1 for p in a.stage.parameters()]
-            a.apply_step(grads)
-            b.apply_step(grads)
+    _step_together(on, off, 3)
     for a, b in zip(on, off):
         sa, sb = a.export_state(), b.export_state()
         assert sa[1] == sb[1] and any(n.startswith("opt/exp_avg/") for n in sa[1])

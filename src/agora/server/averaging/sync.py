@@ -64,6 +64,12 @@ AVERAGING_MIN_RATE_BYTES_PER_S = 2**20  # ~8.4 Mbit/s
 # A stage holding part of its batch, idle (nothing admitted here or at its replicas) for this long, checks whether the
 # other stages already took the step (``_left_behind``); also the least time between two such checks.
 LEFT_BEHIND_QUIET_S = 2.0
+# With microbatches in flight here or at a replica, the quiet must last this long (or three microbatches' compute):
+# once every other stage has published its norm of our step, a backward of our batch still on its way arrives within
+# the downstream's reply and our own backward, while a microbatch the other stages hold for their *next* step (our
+# batches shifted against theirs by lost samples) never does until they step. Below the clip wait (10 s), so the
+# other stages get our norm before they give up on it.
+HELD_QUIET_S = 5.0
 CLIP_WAIT_MIN_S = 10.0  # the least a step waits for the other stages' gradient norms (``default_clip_wait_s``)
 # A state download (a joining, moving or repairing replica) shares the source's link with its rounds: pages and the
 # whole download are given time for STATE_MIN_RATE, and never less than the minimums.
@@ -681,8 +687,9 @@ class ReplicaSync:
         elif await self._left_behind(total, others_admitted):
             self.realigned_steps += 1
             logger.warning(f"stage {c.stage_index}: the other stages took step {rt.step + 1} while this stage holds "
-                           f"{total} of its {self.target} samples, and none is in flight here: the rest left with a "
-                           f"replica that moved or died; stepping on the partial batch to stay in step with them")
+                           f"{total} of its {self.target} samples, and no more came for "
+                           f"{time.monotonic() - rt.last_sample_time:.0f}s: the rest left with a replica that moved or "
+                           f"died; stepping on the partial batch to stay in step with them")
             c.log_event("realigned", step=rt.step, samples=total, target=self.target)
             await self.round(n_others)
         elif time.monotonic() - rt.last_sample_time > c.stall_step_s and not await self._trainers_training():
@@ -693,10 +700,13 @@ class ReplicaSync:
 
     async def _left_behind(self, total: int, others_admitted: int) -> bool:
         """Whether the rest of our step's batch will never come: every other stage has published its gradient norm
-        of our step (so has its whole batch), no microbatch is in flight here or at our replicas, and that held at
-        two looks ``LEFT_BEHIND_QUIET_S`` apart with the same ``total`` (ours and our replicas' samples): a replica's
-        record lags its count by up to a second, and one look at a lagging record took a complete batch for a
-        partial one (a sparse run of ``small``, 2026-12-04).
+        of our step (so has its whole batch), no sample came for ``LEFT_BEHIND_QUIET_S`` (``HELD_QUIET_S`` while
+        microbatches are in flight here or at our replicas: the other stages may hold them for their next step),
+        and that held at two looks ``LEFT_BEHIND_QUIET_S`` apart with the same ``total`` (ours and our replicas'
+        samples): a replica's record lags its count by up to a second, and one look at a lagging record took a
+        complete batch for a partial one (a sparse run of ``small``, 2026-12-04). Requiring nothing in flight, as
+        before 2026-12-04, never fired once the lagging stage had admitted the next microbatches: a demo run then
+        waited the whole clip wait at every step after a move (docs/bench/mixed/2026-12-04).
 
         Every microbatch of a stage's batch passed through this stage first (forward) and back (backward), and a
         stage counts a microbatch once its backward here finished. Samples counted elsewhere but not here were lost
@@ -707,7 +717,8 @@ class ReplicaSync:
         partial batch realigns the stages at the cost of a smaller batch once."""
         rt = self.ctx.runtime
         now = time.monotonic()
-        if self.admitted or others_admitted or now - rt.last_sample_time < LEFT_BEHIND_QUIET_S:
+        in_flight = self.admitted or others_admitted
+        if now - rt.last_sample_time < (self._held_quiet_s() if in_flight else LEFT_BEHIND_QUIET_S):
             self._left_behind_seen = None
             return False
         if now - self._left_behind_read_at < LEFT_BEHIND_QUIET_S:
@@ -718,6 +729,13 @@ class ReplicaSync:
             return False
         seen, self._left_behind_seen = self._left_behind_seen, (rt.step, total)
         return seen == (rt.step, total)
+
+    def _held_quiet_s(self) -> float:
+        """How long samples must have stopped coming, with microbatches in flight, before they count as held by the
+        other stages (``HELD_QUIET_S``, or three microbatches' compute at this stage's measured throughput)."""
+        m, rt = self.ctx.manifest, self.ctx.runtime
+        tokens = m.batch.microbatch_size * m.model.seq_len
+        return max(HELD_QUIET_S, 3 * tokens / rt.throughput) if rt.throughput > 0 else HELD_QUIET_S
 
     async def _own_gradient_tick(self, others: list[StageRecord], ahead: list[StageRecord], why: str) -> None:
         """The tick of schemes whose replicas step on their own gradients (``sparse``, ``diloco``): download the
