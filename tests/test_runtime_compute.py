@@ -55,6 +55,19 @@ def _step_together(xs, ys, steps: int, seed: int = 0) -> None:
             b.apply_step(grads)
 
 
+def _import_and_step(xs, ys) -> list:
+    """Each of ``ys`` takes the state of its ``xs`` runtime, then both take one more step with the same gradients:
+    the pairs of parameters after it."""
+    pairs = []
+    for a, b in zip(xs, ys):
+        b.import_state(*a.export_state())
+        grads = [torch.full(p.shape, 0.01, dtype=torch.float64) for p in a.stage.parameters()]
+        a.apply_step(grads)
+        b.apply_step(grads)
+        pairs += list(zip(a.stage.parameters(), b.stage.parameters()))
+    return pairs
+
+
 @pytest.mark.parametrize("mode", ["subspace", "dense"])
 @pytest.mark.parametrize("step_between", [False, True], ids=["same-version", "step-in-flight"])
 @pytest.mark.parametrize("options", [RuntimeOptions(backward="recompute"), RuntimeOptions(checkpoint_blocks=True),
@@ -181,13 +194,8 @@ def test_a_cuda_replica_stays_within_the_agreement_tolerance_of_a_cpu_replica():
         pb = torch.cat([p.detach().cpu().reshape(-1) for p in b.stage.parameters()]).double()
         assert float((pa - pb).norm() / pa.norm()) < MAN.averaging.agreement_tolerance / 100
     # A CPU replica's state continues on the GPU's fused kernel (its step counts move beside the parameters).
-    for a, b in zip(cpu, gpu):
-        b.import_state(*a.export_state())
-        grads = [torch.full(p.shape, 0.01, dtype=torch.float64) for p in a.stage.parameters()]
-        a.apply_step(grads)
-        b.apply_step(grads)
-        for x, y in zip(a.stage.parameters(), b.stage.parameters()):
-            torch.testing.assert_close(y.cpu(), x, rtol=1e-5, atol=1e-6)
+    for x, y in _import_and_step(cpu, gpu):
+        torch.testing.assert_close(y.cpu(), x, rtol=1e-5, atol=1e-6)
 
 
 def test_a_bf16_fused_replica_and_an_fp32_replica_of_one_stage_agree_within_tolerance():
@@ -292,13 +300,8 @@ def test_an_offloaded_optimizer_steps_exactly_as_one_beside_the_weights():
             assert torch.equal(x, y)
     # A state exported by one kind of runtime continues identically on the other.
     fresh = _runtimes(RuntimeOptions(offload_optimizer=True))
-    for a, b in zip(on, fresh):
-        b.import_state(*a.export_state())
-        grads = [torch.full(p.shape, 0.01, dtype=torch.float64) for p in a.stage.parameters()]
-        a.apply_step(grads)
-        b.apply_step(grads)
-        for x, y in zip(a.stage.parameters(), b.stage.parameters()):
-            assert torch.equal(x, y)
+    for x, y in _import_and_step(on, fresh):
+        assert torch.equal(x, y)
 
 
 def test_a_fused_optimizer_state_moves_to_and_from_the_single_tensor_one():
