@@ -744,10 +744,7 @@ def node(
                                  offload_optimizer=offload_optimizer, checkpoint_blocks=checkpoint_blocks,
                                  optimizer_kernel=optimizer_kernel, curvature_every=curvature_every,
                                  curvature_hvps=curvature_hvps)
-        from agora.optim import use_fused_kernel
-
-        fused = use_fused_kernel(optimizer_kernel, m.optimizer.name,
-                                 resolve_device("cpu" if offload_optimizer else compute.device))
+        fused = compute.fused_kernel(m.optimizer.name)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)

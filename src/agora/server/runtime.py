@@ -158,6 +158,12 @@ class RuntimeOptions:
     curvature_hvps: int = 3
     curvature_budget: float = 0.05
 
+    def fused_kernel(self, optimizer: str) -> bool:
+        """Whether this peer's optimizer (the manifest's ``optimizer``) runs the fused kernel: ``optimizer_kernel``
+        for the device the step runs on (the host when the optimizer is offloaded)."""
+        return use_fused_kernel(self.optimizer_kernel, optimizer,
+                                resolve_device("cpu" if self.offload_optimizer else self.device))
+
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
@@ -235,8 +241,7 @@ class StageRuntime:
         # What the optimizer steps: the stage's own parameters, or their host copies (offload). ``_master`` maps
         # each parameter to the tensor the optimizer holds state for.
         self._masters = _HostMasters(self.stage) if options.offload_optimizer else None
-        self.fused_optimizer = use_fused_kernel(options.optimizer_kernel, manifest.optimizer.name,
-                                                torch.device("cpu") if options.offload_optimizer else self.device)
+        self.fused_optimizer = options.fused_kernel(manifest.optimizer.name)
         self.optimizer = build_optimizer(self._masters or self.stage, manifest.optimizer, seed=manifest.seed,
                                          names=[n for n, _ in self.stage.named_parameters()],
                                          fused=self.fused_optimizer)
