@@ -28,3 +28,31 @@ def test_bench_upm_measures_preservation_and_stitching(tmp_path):
     assert len({r["tokens"] for r in training.values()}) == 1  # equal tokens
     assert training["none"]["loss_ratio"] == 1.0
     assert all(0.5 < r["loss_ratio"] < 1.5 for r in training.values())
+
+
+def test_bench_upm_with_signed_permutations_on_a_coordinate_basis(tmp_path):
+    """``--frames signed_permutations``: `small` on a coordinate basis, transforms that only rename coordinates
+    (the function is kept to rounding, and a renamed-away shard still does not fit), and the coordinate rows of the
+    training section: the signed permutations' ratio is to the coordinate basis without them."""
+    out = tmp_path / "upm"
+    proc = subprocess.run([sys.executable, "-m", "agora.cli", "bench", "upm", "--out", str(out), "--transforms", "12",
+                           "--train-steps", "1", "--training-steps", "4", "--rotate-every", "2",
+                           "--training-seeds", "0", "--frames", "signed_permutations",
+                           "--training-modes", "none,none_coordinates,signed_perm_coordinates"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    small = result["small"]
+    assert small["basis"] == "coordinates"
+    assert max(r["max_abs_dlogit"] for r in small["fp64"]) < 1e-9
+    assert max(r["max_abs_dlogit"] for r in small["fp32"]) < 1e-3
+    assert min(s["js_stitched"] for s in small["stitching"]) > 1e3 * max(r["js_mean"] for r in small["fp32"])
+    assert "signed permutations" in (out / "result.md").read_text()
+    training = {r["mode"]: r for r in result["training"]["rows"]}
+    assert training["signed_perm_coordinates"]["rotations"] == 2
+    # Exact up to summation order: far closer to its own baseline than any Haar treatment gets (0.3-1.4%).
+    assert abs(training["signed_perm_coordinates"]["loss_ratio"] - 1.0) < 1e-4
+    assert training["none_coordinates"]["loss_ratio"] != 1.0  # another model than the random basis
+    bad = subprocess.run([sys.executable, "-m", "agora.cli", "bench", "upm", "--out", str(tmp_path / "bad"),
+                          "--frames", "householder"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "frames must be one of" in bad.stdout + bad.stderr

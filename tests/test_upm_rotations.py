@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from agora.config import ManifestError, load_manifest
-from agora.frames import bake_frames, current_gains, haar_orthogonal, input_gradients, lift, rotate_input
+from agora.frames import (bake_frames, current_gains, haar_orthogonal, input_gradients, lift, rotate_input,
+                          signed_permutation)
 from agora.model import Stage
 from agora.net.transport import RpcError
 from agora.server.observers import Observers
@@ -16,10 +17,15 @@ from agora.server.upm import FrameLedger, Rotation
 
 
 def _manifest(upm: bool, mode: str = "subspace"):
+    """``mode``: subspace or dense with Haar rotations; ``coordinates``: subspace with ``residual.basis:
+    coordinates`` and signed permutations (``security.upm.transforms``)."""
     m = load_manifest("tiny").with_overrides(stages=[1, 1, 2])
     if mode == "dense":
         m = m.with_overrides(**{"residual.mode": "dense", "residual.k": None})
-    return m.with_overrides(**{"security.upm": {"every_s": 5.0}}) if upm else m
+    if mode == "coordinates":
+        m = m.with_overrides(**{"residual.basis": "coordinates"})
+    transforms = "signed_permutations" if mode == "coordinates" else "rotations"
+    return m.with_overrides(**{"security.upm": {"every_s": 5.0, "transforms": transforms}}) if upm else m
 
 
 def _pipeline(m):
@@ -100,16 +106,18 @@ def _grads(rt):
     return {n: p.grad.clone() for n, p in rt.stage.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("mode", ["subspace", "dense"])
+@pytest.mark.parametrize("mode", ["subspace", "dense", "coordinates"])
 def test_rotating_with_microbatches_in_flight_computes_exactly_the_same_function_and_gradients(mode):
     """Losses before, across and after the rotations are the plain run's; the gradients accumulated across them are
     the plain run's gradients moved into the new frames (exactly: what the optimizer then does with them is Adam's
-    business, docs/UPM.md); the function after the rotations is the plain run's."""
+    business, docs/UPM.md); the function after the rotations is the plain run's. With signed permutations of a
+    coordinate basis nothing is folded, so the gains' gradients move exactly too."""
     torch.manual_seed(0)
     m_plain, m_upm = _manifest(False, mode), _manifest(True, mode)
     plain, rotating = _pipeline(m_plain), _pipeline(m_upm)
     g = torch.Generator().manual_seed(7)
-    rs = {0: haar_orthogonal(rotating[0].frames.width, g), 1: haar_orthogonal(rotating[0].frames.width, g)}
+    draw = signed_permutation if mode == "coordinates" else haar_orthogonal
+    rs = {0: draw(rotating[0].frames.width, g), 1: draw(rotating[0].frames.width, g)}
     losses_plain, gains = _train(plain, None)
     losses_upm, _ = _train(rotating, rs)
     assert [rt.frames.epoch_in for rt in rotating] == [0, 1, 1]
@@ -122,7 +130,7 @@ def test_rotating_with_microbatches_in_flight_computes_exactly_the_same_function
         got = _grads(rt)
         assert set(got) == set(want)
         for name in got:
-            if s > 0 and name in gains[s]:
+            if s > 0 and name in gains[s] and mode != "coordinates":
                 # Norm gains: microbatch b ran on older weights than c, so no one point moves their sum; the gain
                 # formula is checked exactly at a point in test_gradients_follow_a_rotation_like_the_weights_do.
                 continue
@@ -224,6 +232,12 @@ def test_ledger_conversions_history_and_conflicts():
     assert (ledger.epoch_in, ledger.epoch_out) == (4, 2)
     with pytest.raises(ValueError):
         ledger.restore(torch.tensor([-1, 0]))
+    # A run of signed permutations accepts only those: a dense rotation would fold gains and blur Adam's v.
+    mc = _manifest(True, "coordinates")
+    signed = FrameLedger(Stage(mc, 1), transforms=mc.security.upm.transforms)
+    with pytest.raises(ValueError, match="signed permutations"):
+        signed.accept(Rotation(0, 1, 5, haar_orthogonal(signed.width, g), "a"))
+    assert signed.accept(Rotation(0, 1, 5, signed_permutation(signed.width, g), "a")) == "accepted"
 
 
 def test_runtime_state_carries_frames_and_epochs():
@@ -255,6 +269,18 @@ def test_manifest_refuses_what_rotations_do_not_support():
             base.with_overrides(**bad, **upm)
     assert base.with_overrides(**upm).security.upm.every_s == 5.0
     assert base.with_overrides(**upm).hash != base.hash
+    # Signed permutations are exact only on a coordinate basis (or dense): refused on a random one, said why.
+    signed = {"security.upm": {"every_s": 5.0, "transforms": "signed_permutations"}}
+    with pytest.raises(ManifestError, match="residual.basis: coordinates"):
+        base.with_overrides(**signed)
+    coords = base.with_overrides(**{"residual.basis": "coordinates"}, **signed)
+    assert coords.hash != base.with_overrides(**{"residual.basis": "coordinates"}, **upm).hash
+    dense = {"residual.mode": "dense", "residual.k": None}
+    assert base.with_overrides(**dense, **signed).security.upm.transforms == "signed_permutations"
+    with pytest.raises(ManifestError, match="residual.basis"):
+        base.with_overrides(**dense, **{"residual.basis": "coordinates"})
+    # The new fields at their defaults leave existing manifests' hashes alone.
+    assert "basis" not in base.canonical_json() and "transforms" not in base.with_overrides(**upm).canonical_json()
     from agora.lab.demo_setup import demo_manifest
     assert demo_manifest("tiny", 2, upm_every_s=7.0).security.upm.every_s == 7.0  # the demo's and benches' switch
     assert demo_manifest("tiny", 2).security.upm is None

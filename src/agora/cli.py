@@ -558,6 +558,12 @@ def bench_upm(
     training_steps: int = typer.Option(40, min=1, help="optimizer steps of small per training row"),
     rotate_every: int = typer.Option(2, min=1, help="steps between rotations of every boundary while training"),
     training_seeds: str = typer.Option("0,1,2", help="comma-separated seeds of the training rows"),
+    frames: str = typer.Option("rotations", help="preservation, stitching and recovery transforms: rotations (Haar) or "
+                                                 "signed_permutations (small then uses residual.basis: coordinates)"),
+    training_modes: str = typer.Option(
+        "none,mixed,isotropic,keep,signed_perm",
+        help="comma-separated training rows: none, mixed, isotropic, keep, signed_perm, and none_coordinates, "
+             "signed_perm_coordinates (residual.basis: coordinates, where signed permutations are exact)"),
     recovery_preset: str = typer.Option("small", help="recovery: the preset trained --train-steps, then stitched"),
     recovery_seeds: str = typer.Option("0", help="recovery: comma-separated seeds (median reported)"),
     recovery_gaps: str = typer.Option("0,1,100", help="recovery: rotations between the captures (0: control)"),
@@ -581,6 +587,7 @@ def bench_upm(
             real_stages=real_stages, seed=seed, checkpoints=checkpoints,
             sections=_listed(sections), training_steps=training_steps,
             rotate_every=rotate_every, training_seeds=_listed(training_seeds, int),
+            training_modes=_listed(training_modes), frames=frames,
             recovery_preset=recovery_preset, recovery_seeds=_listed(recovery_seeds, int),
             recovery_gaps=_listed(recovery_gaps, int), recovery_stage=recovery_stage,
             recovery_max_steps=recovery_max_steps, recovery_eval_every=recovery_eval_every,

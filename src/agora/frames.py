@@ -46,7 +46,10 @@ def haar_orthogonal(n: int, generator: torch.Generator) -> Tensor:
 
 def reorthogonalize(r: Tensor) -> Tensor:
     """The orthogonal matrix nearest to ``r`` (polar factor, float64): a received or stored R is cleaned before
-    use, so rounding never accumulates into a non-orthogonal frame."""
+    use, so rounding never accumulates into a non-orthogonal frame. A signed permutation is returned as it is:
+    its polar factor would be the same matrix up to rounding, which would end its exactness."""
+    if as_signed_permutation(r) is not None:
+        return r.double().clone()
     u, _, vh = torch.linalg.svd(r.double())
     return u @ vh
 
@@ -164,8 +167,36 @@ def _fold(gain: Optional[nn.Parameter], reads: list[nn.Parameter], moments: Opti
     gain.fill_(1.0)
 
 
+def _permute_vector(gain: nn.Parameter, src: Tensor, moments: Optional[Moments]) -> None:
+    """g <- g|Q| (entry j takes entry src[j]) for a norm gain under a signed permutation, with its moments."""
+    gain.copy_(gain.detach()[src])
+    st = moments(gain) if moments is not None else None
+    if st:
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                st[key].copy_(st[key][src])
+
+
 def _set(state: dict, key: str, value: Tensor) -> None:
     state[key].copy_(value.to(state[key].dtype))
+
+
+SignedPermutation = tuple[Tensor, Tensor]  # (src, sign): X[src[j], j] = sign[j], every other entry 0
+
+
+def as_signed_permutation(x: Tensor) -> Optional[SignedPermutation]:
+    """``x`` as (src, sign) if it is exactly a signed permutation matrix (entries 0 and +-1, one non-zero per row
+    and column), else None. Rotations that are signed permutations of the whole stream move every weight, gain and
+    Adam moment exactly (``rotate_input``)."""
+    if x.dim() != 2 or x.shape[0] != x.shape[1]:
+        return None
+    nonzero = x != 0
+    if not bool(((x == 1) | (x == -1) | ~nonzero).all()):
+        return None
+    if not (bool((nonzero.sum(dim=0) == 1).all()) and bool((nonzero.sum(dim=1) == 1).all())):
+        return None
+    src = nonzero.to(torch.int8).argmax(dim=0)
+    return src, x[src, torch.arange(x.shape[1])].double()
 
 
 class _Side:
@@ -182,6 +213,15 @@ class _Side:
         if on_left:
             return _Side(lambda t: x @ t, lambda t: x.square() @ t)
         return _Side(lambda t: t @ x, lambda t: t @ x.square())
+
+    @staticmethod
+    def signed(perm: "SignedPermutation", on_left: bool) -> "_Side":
+        """A signed permutation X (``as_signed_permutation``) applied by indexing: exact in any dtype, where a
+        product (or the low-rank form's t + (t' - t)) could round."""
+        src, sign = perm
+        if on_left:  # (X^T t)_j = s_j t_{src(j)}
+            return _Side(lambda t: t[src] * sign.to(t.dtype)[:, None], lambda t: t[src])
+        return _Side(lambda t: t[:, src] * sign.to(t.dtype), lambda t: t[:, src])
 
     @staticmethod
     def lifted(r: Tensor, u: Tensor, q: Tensor, on_left: bool) -> "_Side":
@@ -239,25 +279,40 @@ def rotate_input(stage: Stage, r: Tensor, moments: Optional[Moments] = None, v_m
     Reads (Linear weight W, y = x W^T): W <- W Q. Writes into the subspace (k outputs): W <- R^T W. Dense writes
     (the tail's blocks, dense runs): W <- Q^T W. Head embedding: Z <- Z R (subspace) or E <- E R (dense).
     Boundary map: M <- R^T M. Gains are folded first (``fold_gains``). With ``moments`` the optimizer state
-    follows: m exactly, v by ``v_mode`` (``V_MODES``).
+    follows: m exactly, v by ``v_mode`` (``V_MODES``). When Q is a signed permutation (a signed permutation R with
+    ``residual.basis: coordinates``, or in a dense run) gains are permuted instead of folded, and every tensor and
+    moment moves exactly whatever ``v_mode`` says.
     """
-    fold_gains(stage, moments)
     r = reorthogonalize(r)
     q = lift(stage, r)
     u = stage.basis.double() if stage.subspace else None
-    read_side = _Side.lifted(r, u, q, on_left=False) if u is not None else None
-    dense_write = _Side.lifted(r, u, q, on_left=True) if u is not None else None
     params = dict(stage.named_parameters())
+    exact = as_signed_permutation(q)
+    if exact is not None:
+        # A signed permutation of the stream commutes with per-channel gains once they are permuted too
+        # (N(xQ) (g|Q|) = (N(x) g) Q): nothing is folded, and every tensor and moment is moved by indexing, so the
+        # stage afterwards is the same stage with its coordinates renamed, and Adam's next step renames with it.
+        for gain, _ in gain_groups(stage):
+            _permute_vector(params[gain], exact[0], moments)
+        v_mode = "mixed"  # exact for signed permutations (``V_MODES``)
+        read_side, dense_write = _Side.signed(exact, on_left=False), _Side.signed(exact, on_left=True)
+        embed_side = _Side.signed(as_signed_permutation(r), on_left=False)
+    else:
+        fold_gains(stage, moments)
+        read_side = _Side.lifted(r, u, q, on_left=False) if u is not None else None
+        dense_write = _Side.lifted(r, u, q, on_left=True) if u is not None else None
+        embed_side = None
     for name, role in weight_roles(stage):
         w = params[name]
         if role == "read":
-            _transform(w, None, q, moments, v_mode, weight=_read(w.double(), r, u, q), right_side=read_side)
+            weight = _read(w.double(), r, u, q) if exact is None else None
+            _transform(w, None, q, moments, v_mode, weight=weight, right_side=read_side)
         elif role == "write_k":  # a subspace write has k outputs, lifted by U^T after its norm
             _transform(w, r.T, None, moments, v_mode)
         elif role == "write_d":
             _transform(w, q.T, None, moments, v_mode, left_side=dense_write)
         else:  # the head's embedding: Z (V x k) in subspace runs, E (V x d) in dense ones; R is that wide
-            _transform(w, None, r, moments, v_mode)
+            _transform(w, None, r, moments, v_mode, right_side=embed_side)
     if stage.boundary_map is not None:  # a new tensor: a forward still in flight keeps the map it ran with
         stage.boundary_map = (r.T @ stage.boundary_map.double()).to(stage.boundary_map.dtype)
 
@@ -279,12 +334,20 @@ def weight_roles(stage: Stage) -> list[tuple[str, str]]:
     return roles
 
 
-def _move(role: str, x: Tensor, r: Tensor, u: Optional[Tensor], q: Tensor) -> Tensor:
-    """``x`` (float64, laid out as a parameter of ``role``, see ``weight_roles``) moved as that parameter is."""
-    if role == "read":
-        return _read(x, r, u, q)
+def _move(role: str, x: Tensor, r: Tensor, u: Optional[Tensor], q: Tensor,
+          exact: Optional[SignedPermutation] = None) -> Tensor:
+    """``x`` (float64, laid out as a parameter of ``role``, see ``weight_roles``) moved as that parameter is.
+    ``exact``: Q as a signed permutation (``as_signed_permutation``), moved by indexing."""
     if role == "write_k":
         return r.T @ x
+    if exact is not None:
+        if role == "read":
+            return _Side.signed(exact, on_left=False).apply(x)
+        if role == "write_d":
+            return _Side.signed(exact, on_left=True).apply(x)
+        return _Side.signed(as_signed_permutation(r), on_left=False).apply(x)
+    if role == "read":
+        return _read(x, r, u, q)
     if role == "write_d":
         return q.T @ x
     return x @ r
@@ -353,7 +416,12 @@ def input_gradients(stage: Stage, grads: dict[str, Optional[Tensor]], r: Tensor,
     r = reorthogonalize(r)
     q = lift(stage, r)
     u = stage.basis.double() if stage.subspace else None
+    exact = as_signed_permutation(q)
     for gain, reads in gain_groups(stage):
+        if exact is not None:  # nothing was folded: the gain was permuted, and so is its gradient
+            if out.get(gain) is not None:
+                out[gain] = out[gain].double()[exact[0]]
+            continue
         g = gains.get(gain, torch.ones(1, dtype=torch.float64))
         if out.get(gain) is not None:
             moved = [(_read(out[n].double() / g, r, u, q), _read(at(n) * g, r, u, q)) for n in reads
@@ -364,7 +432,7 @@ def input_gradients(stage: Stage, grads: dict[str, Optional[Tensor]], r: Tensor,
                 out[name] = out[name].double() / g
     for name, role in weight_roles(stage):
         if out.get(name) is not None:
-            out[name] = _move(role, out[name].double(), r, u, q)
+            out[name] = _move(role, out[name].double(), r, u, q, exact)
     return {n: (v.to(grads[n].dtype) if v is not None and grads.get(n) is not None else v) for n, v in out.items()}
 
 
@@ -376,14 +444,19 @@ def input_weights(stage: Stage, weights: dict[str, Tensor], r: Tensor, gains: di
     r = reorthogonalize(r)
     q = lift(stage, r)
     u = stage.basis.double() if stage.subspace else None
+    exact = as_signed_permutation(q)
     for gain, reads in gain_groups(stage):
+        if exact is not None:  # a signed permutation folds nothing: the gain is permuted (``rotate_input``)
+            if gain in out:
+                out[gain] = out[gain][exact[0]]
+            continue
         g = gains.get(gain, torch.ones(1, dtype=torch.float64))
         for name in reads:
             out[name] = out[name] * g
         out[gain] = out[gain] / g
     for name, role in weight_roles(stage):
         if name in out:
-            out[name] = _move(role, out[name], r, u, q)
+            out[name] = _move(role, out[name], r, u, q, exact)
     return {n: v.to(weights[n].dtype) for n, v in out.items()}
 
 

@@ -47,8 +47,16 @@ def seeded_randn(shape: tuple[int, ...], seed: int, name: str, std: float = 1.0)
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
-def subspace_basis(shape: ModelShape, k: int, seed: int) -> Tensor:
-    """U (d x k) with orthonormal columns, identical on every peer of the run."""
+def subspace_basis(shape: ModelShape, k: int, seed: int, kind: str = "random") -> Tensor:
+    """U (d x k) with orthonormal columns, identical on every peer of the run: ``random`` directions, or
+    ``coordinates``: k of the d coordinates (in seed-drawn order), so that a signed permutation of the k subspace
+    coordinates is a signed permutation of the whole stream, which Adam follows exactly (docs/UPM.md)."""
+    if kind == "coordinates":
+        gen = torch.Generator().manual_seed(_seed_for(seed, "subspace.coordinates"))
+        picked = torch.randperm(shape.d_model, generator=gen)[:k]
+        return torch.eye(shape.d_model, dtype=torch.float32)[:, picked].contiguous()
+    if kind != "random":
+        raise ValueError(f"subspace basis must be 'random' or 'coordinates', got {kind!r}")
     q, _ = torch.linalg.qr(seeded_randn((shape.d_model, k), seed, "subspace.U").double())
     return q.float().contiguous()
 
@@ -366,7 +374,7 @@ class Stage(nn.Module):
         self.spec = StageSpec(index, manifest.n_stages, manifest.stage_layers(index))
         self.subspace = manifest.residual.mode == "subspace"
         if self.subspace:
-            basis = subspace_basis(shape, manifest.residual.k, manifest.seed)
+            basis = subspace_basis(shape, manifest.residual.k, manifest.seed, manifest.residual.basis)
             self.register_buffer("basis", basis, persistent=False)
             self.register_buffer("frozen_embed", frozen_embedding(shape, basis, manifest.seed), persistent=False)
         else:

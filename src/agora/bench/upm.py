@@ -32,6 +32,8 @@ from agora.model import PipelineModel, Stage, build_stages
 logger = logging.getLogger("agora.bench")
 
 SECTIONS = ("preservation", "stitching", "training", "recovery")
+FRAME_KINDS = ("rotations", "signed_permutations")
+TRAINING_MODES = ("none", "mixed", "isotropic", "keep", "signed_perm", "none_coordinates", "signed_perm_coordinates")
 RECOVERY_TARGET = 0.6  # issue #17: recovering a stitched model needs >= 60% of the tokens of training from scratch
 
 
@@ -47,9 +49,12 @@ class UpmBenchOptions:
     seed: int = 0
     checkpoints: list[int] = field(default_factory=lambda: [1, 10, 100, 1000, 10_000])
     sections: tuple[str, ...] = ("preservation", "stitching", "training")
+    # The transforms of preservation, stitching and recovery: Haar ``rotations``, or ``signed_permutations`` on
+    # ``small`` trained with ``residual.basis: coordinates`` (``security.upm.transforms``).
+    frames: str = "rotations"
     training_steps: int = 40  # per training row (small): rotations during training, against none
     rotate_every: int = 2  # optimizer steps between rotations of every boundary in the training rows
-    training_modes: tuple[str, ...] = ("none", "mixed", "isotropic", "keep", "signed_perm")
+    training_modes: tuple[str, ...] = ("none", "mixed", "isotropic", "keep", "signed_perm")  # TRAINING_MODES
     training_seeds: tuple[int, ...] = (0, 1, 2)
     # Recovery (item 5c): the original is ``recovery_preset`` trained ``train_steps`` steps per seed.
     recovery_preset: str = "small"
@@ -64,6 +69,13 @@ class UpmBenchOptions:
         unknown = set(self.sections) - set(SECTIONS)
         if unknown:
             raise ValueError(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
+        if self.frames not in FRAME_KINDS:
+            raise ValueError(f"frames must be one of {', '.join(FRAME_KINDS)}, got {self.frames!r}")
+        bad = set(self.training_modes) - set(TRAINING_MODES)
+        if bad or not self.training_modes:
+            raise ValueError(f"unknown training modes {sorted(bad)}: choose from {', '.join(TRAINING_MODES)}")
+        if "signed_perm_coordinates" in self.training_modes and "none_coordinates" not in self.training_modes:
+            raise ValueError("signed_perm_coordinates is compared with none_coordinates: list both")
         if "recovery" in self.sections:
             if self.train_steps < 1:
                 raise ValueError("the recovery section needs a trained original: train_steps >= 1")
@@ -96,6 +108,13 @@ def _ppl(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(loss.exp())
 
 
+def frame_drawer(kind: str):
+    """How the bench draws a boundary's transform: ``rotations`` (Haar) or ``signed_permutations``."""
+    from agora.frames import signed_permutation
+
+    return signed_permutation if kind == "signed_permutations" else haar_orthogonal
+
+
 def compare(ref: torch.Tensor, now: torch.Tensor, targets: torch.Tensor) -> dict:
     js = _js(ref, now)
     return {"max_abs_dlogit": float((now - ref).abs().max()), "js_mean": float(js.mean()), "js_max": float(js.max()),
@@ -103,7 +122,7 @@ def compare(ref: torch.Tensor, now: torch.Tensor, targets: torch.Tensor) -> dict
 
 
 def preservation(stages: list[Stage], dtype: torch.dtype, rows: torch.Tensor, transforms: int,
-                 checkpoints: list[int], seed: int) -> list[dict]:
+                 checkpoints: list[int], seed: int, draw=haar_orthogonal) -> list[dict]:
     """Compound ``transforms`` random boundary rotations on a copy of ``stages`` in ``dtype``; the comparison with
     the untouched model at every checkpoint."""
     stages = [copy.deepcopy(st).to(dtype) for st in stages]
@@ -122,7 +141,7 @@ def preservation(stages: list[Stage], dtype: torch.dtype, rows: torch.Tensor, tr
         t0 = time.perf_counter()
         while done < t:
             b = int(torch.randint(0, n - 1, (1,), generator=gen))
-            rotate_boundary(stages, b, haar_orthogonal(width, gen))
+            rotate_boundary(stages, b, draw(width, gen))
             done += 1
         spent += time.perf_counter() - t0
         out.append(dict(transforms=done, seconds_per_transform=spent / done, **compare(ref, _logits(stages, tokens),
@@ -132,7 +151,7 @@ def preservation(stages: list[Stage], dtype: torch.dtype, rows: torch.Tensor, tr
 
 
 def stitching(stages: list[Stage], random_stages: list[Stage], rows: torch.Tensor, seed: int,
-              gaps: tuple[int, ...] = (1, 100)) -> list[dict]:
+              gaps: tuple[int, ...] = (1, 100), draw=haar_orthogonal) -> list[dict]:
     """For each stage s and gap (rotations of every boundary): JS of the model with stage s taken before the gap,
     against the same with stage s replaced by unrelated random weights (both vs the honest model)."""
     stages = [copy.deepcopy(st) for st in stages]
@@ -145,13 +164,13 @@ def stitching(stages: list[Stage], random_stages: list[Stage], rows: torch.Tenso
     gen = torch.Generator().manual_seed(seed + 1)
     width, n = frame_width(stages[0]), len(stages)
     for b in range(n - 1):  # start from non-trivial frames
-        rotate_boundary(stages, b, haar_orthogonal(width, gen))
+        rotate_boundary(stages, b, draw(width, gen))
     out = []
     for gap in gaps:
         before = [copy.deepcopy(st) for st in stages]
         for _ in range(gap):
             for b in range(n - 1):
-                rotate_boundary(stages, b, haar_orthogonal(width, gen))
+                rotate_boundary(stages, b, draw(width, gen))
         honest = _logits(stages, tokens)
         for s in range(n):
             stitched = [before[s] if i == s else st for i, st in enumerate(stages)]
@@ -169,19 +188,22 @@ def training_rows(m: Manifest, steps: int, every: int, modes: tuple[str, ...], s
     """Train ``m`` centralized for ``steps`` optimizer steps per seed, rotating every boundary every ``every``
     steps (optimizer moments transformed, ``v`` per mode), and the same without rotations: validation loss at equal
     tokens. Modes: ``none``; ``mixed``, ``isotropic``, ``keep`` (Haar rotations, ``frames.V_MODES``);
-    ``signed_perm`` (signed permutations, ``mixed``: exact for subspace writes and the embedding)."""
+    ``signed_perm`` (signed permutations, ``mixed``: exact for subspace writes and the embedding). Modes ending in
+    ``_coordinates`` train the model with ``residual.basis: coordinates``, where signed permutations move every
+    weight and moment exactly; their ratio is to ``none_coordinates``, which is compared with ``none``."""
     from agora.frames import signed_permutation
     from agora.lab.train_local import train_model
 
     out = []
     for seed in seeds:
-        ms = m.with_overrides(seed=seed)
         for mode in modes:
+            coordinates = mode.endswith("_coordinates") and m.residual.mode == "subspace"
+            ms = m.with_overrides(seed=seed, **({"residual.basis": "coordinates"} if coordinates else {}))
             gen = torch.Generator().manual_seed(seed + 7)
             rotations = [0]
 
             def after_step(model, opt, step, mode=mode, gen=gen, rotations=rotations):
-                if mode == "none" or (step + 1) % every:
+                if mode.startswith("none") or (step + 1) % every:
                     return
                 stages = list(model.stages)
                 moments = lambda p: opt.state.get(p) or None  # noqa: E731
@@ -190,8 +212,9 @@ def training_rows(m: Manifest, steps: int, every: int, modes: tuple[str, ...], s
                         enable_frames(st, moments=moments)  # boundary maps; gains folded with their moments
                 width = frame_width(stages[0])
                 for b in range(len(stages) - 1):
-                    r = signed_permutation(width, gen) if mode == "signed_perm" else haar_orthogonal(width, gen)
-                    rotate_boundary(stages, b, r, moments, "mixed" if mode == "signed_perm" else mode)
+                    signed = mode.startswith("signed_perm")
+                    r = signed_permutation(width, gen) if signed else haar_orthogonal(width, gen)
+                    rotate_boundary(stages, b, r, moments, "mixed" if signed else mode)
                 rotations[0] += 1
 
             t0 = time.perf_counter()
@@ -199,9 +222,10 @@ def training_rows(m: Manifest, steps: int, every: int, modes: tuple[str, ...], s
             out.append({"seed": seed, "mode": mode, "val_loss": summary["val_loss"], "tokens": summary["tokens"],
                         "rotations": rotations[0], "wall_s": time.perf_counter() - t0})
             logger.info(f"training with rotations: {out[-1]}")
-    base = {r["seed"]: r["val_loss"] for r in out if r["mode"] == "none"}
+    base = {(r["seed"], r["mode"].endswith("_coordinates")): r["val_loss"] for r in out if r["mode"].startswith("none")}
     for r in out:
-        r["loss_ratio"] = r["val_loss"] / base[r["seed"]] if r["seed"] in base else float("nan")
+        key = (r["seed"], r["mode"].endswith("_coordinates") and r["mode"] != "none_coordinates")
+        r["loss_ratio"] = r["val_loss"] / base[key] if key in base else float("nan")
     return out
 
 
@@ -242,7 +266,7 @@ def fine_tune_to(m: Manifest, stages: list[Stage], train: TokenDataset, val_set:
 
 
 def recovery(m: Manifest, model: PipelineModel, summary: dict, gaps: tuple[int, ...], stage: int, max_steps: int,
-             eval_every: int, tolerance: float, val_batches: int = 8) -> tuple[dict, list[dict]]:
+             eval_every: int, tolerance: float, val_batches: int = 8, draw=haar_orthogonal) -> tuple[dict, list[dict]]:
     """Recovery cost of stitched shards of ``model`` (trained from scratch by ``train_model``: ``summary``, with
     evaluations every ``eval_every`` steps). Stitched as in :func:`stitching`: stage ``stage`` captured before
     ``gap`` rotations of every boundary, the others after; each stitched model is fine-tuned until it reaches the
@@ -268,7 +292,7 @@ def recovery(m: Manifest, model: PipelineModel, summary: dict, gaps: tuple[int, 
 
     def rotate_every_boundary() -> None:
         for b in range(n - 1):
-            rotate_boundary(stages, b, haar_orthogonal(width, gen))
+            rotate_boundary(stages, b, draw(width, gen))
 
     rotate_every_boundary()  # start from non-trivial frames, as stitching does
     rows = []
@@ -322,10 +346,20 @@ def summarize_recovery(rows: list[dict], target: float = RECOVERY_TARGET) -> tup
 # --------------------------------------------------------------------------- models
 
 
-def _train(preset: str, seed: int, steps: int, eval_every: int) -> tuple[Manifest, PipelineModel, dict]:
+def _preset(preset: str, seed: int, frames: str = "rotations") -> Manifest:
+    """The preset at ``seed``; with signed permutations on a subspace model, on a coordinate basis (where they are
+    exact, as the manifest requires of a swarm)."""
+    m = load_manifest(preset).with_overrides(seed=seed)
+    if frames == "signed_permutations" and m.residual.mode == "subspace":
+        m = m.with_overrides(**{"residual.basis": "coordinates"})
+    return m
+
+
+def _train(preset: str, seed: int, steps: int, eval_every: int,
+           frames: str = "rotations") -> tuple[Manifest, PipelineModel, dict]:
     from agora.lab.train_local import train_model
 
-    m = load_manifest(preset).with_overrides(seed=seed)
+    m = _preset(preset, seed, frames)
     logger.info(f"training {preset} (seed {seed}) for {steps} steps")
     summary, model = train_model(m, steps, eval_every=eval_every)
     return m, model, summary
@@ -334,7 +368,7 @@ def _train(preset: str, seed: int, steps: int, eval_every: int) -> tuple[Manifes
 def _small(opts: UpmBenchOptions, trained: Optional[tuple[Manifest, PipelineModel, dict]]
            ) -> tuple[Manifest, list[Stage], torch.Tensor]:
     """``small`` as ``trained`` (None: its initial weights), and validation windows to compare logits on."""
-    m = trained[0] if trained is not None else load_manifest("small").with_overrides(seed=opts.seed)
+    m = trained[0] if trained is not None else _preset("small", opts.seed, opts.frames)
     stages = list(trained[1].stages) if trained is not None else build_stages(m)
     _, val, _ = build_datasets(m)
     rows = torch.cat(val.fixed_batches(m.batch.microbatch_size, opts.eval_rows))[: opts.eval_rows].long()
@@ -392,12 +426,13 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
     sections = set(opts.sections)
     result: dict = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.__dict__.items()}}
     trained: dict[tuple[str, int], tuple[Manifest, PipelineModel, dict]] = {}
+    draw = frame_drawer(opts.frames)
 
     def original(preset: str, seed: int) -> tuple[Manifest, PipelineModel, dict]:
         # One trained model per (preset, seed), shared by stitching and recovery; evaluations change no weights.
         if (preset, seed) not in trained:
             every = opts.recovery_eval_every if "recovery" in sections else 0
-            trained[preset, seed] = _train(preset, seed, opts.train_steps, every)
+            trained[preset, seed] = _train(preset, seed, opts.train_steps, every, opts.frames)
         return trained[preset, seed]
 
     if "recovery" in sections:  # a bad stage or manifest fails here, before any training
@@ -405,21 +440,23 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
     if sections & {"preservation", "stitching"}:
         m, small, rows = _small(opts, original("small", opts.seed) if opts.train_steps > 0 else None)
         result["small"] = {"manifest_hash": m.hash, "k": m.residual.k, "d_model": m.model.d_model,
-                           "train_steps": opts.train_steps}
+                           "basis": m.residual.basis, "train_steps": opts.train_steps}
         if "preservation" in sections:
             for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64)):
-                result["small"][name] = preservation(small, dtype, rows, opts.transforms, opts.checkpoints, opts.seed)
+                result["small"][name] = preservation(small, dtype, rows, opts.transforms, opts.checkpoints, opts.seed,
+                                                     draw)
         if "stitching" in sections:
             randoms = [st.eval() for st in build_stages(m.with_overrides(seed=opts.seed + 1))]
-            result["small"]["stitching"] = stitching(small, randoms, rows, opts.seed)
+            result["small"]["stitching"] = stitching(small, randoms, rows, opts.seed, draw=draw)
         if opts.model is not None:
             rm, real, real_randoms, real_rows = _real(opts)
             result["real"] = {"model": str(opts.model), "d_model": rm.model.d_model, "stages": rm.stages}
             if "preservation" in sections:
                 result["real"]["fp32"] = preservation(real, torch.float32, real_rows, opts.real_transforms,
-                                                      sorted({1, 10, opts.real_transforms}), opts.seed)
+                                                      sorted({1, 10, opts.real_transforms}), opts.seed, draw)
             if "stitching" in sections:
-                result["real"]["stitching"] = stitching(real, real_randoms, real_rows, opts.seed, gaps=(1, 3))
+                result["real"]["stitching"] = stitching(real, real_randoms, real_rows, opts.seed, gaps=(1, 3),
+                                                        draw=draw)
     if "training" in sections:
         result["training"] = {"preset": "small", "steps": opts.training_steps, "rotate_every": opts.rotate_every,
                               "rows": training_rows(load_manifest("small"), opts.training_steps, opts.rotate_every,
@@ -429,7 +466,7 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
         for seed in opts.recovery_seeds:
             m, model, summary = original(opts.recovery_preset, seed)
             o, r = recovery(m, model, summary, opts.recovery_gaps, stage, opts.recovery_max_steps,
-                            opts.recovery_eval_every, opts.recovery_tolerance)
+                            opts.recovery_eval_every, opts.recovery_tolerance, draw=draw)
             originals.append(o)
             rows += r
         by_gap, met = summarize_recovery(rows)
@@ -448,8 +485,9 @@ def markdown(result: dict) -> str:
         r = result.get(model)
         if r is None:
             continue
-        what = (f"`small` (subspace, k={r['k']}, d={r['d_model']})" if model == "small"
-                else f"{r['model']} (dense, d={r['d_model']}, stages {r['stages']})")
+        what = (f"`small` (subspace, k={r['k']}, d={r['d_model']}, basis {r.get('basis', 'random')})"
+                if model == "small" else f"{r['model']} (dense, d={r['d_model']}, stages {r['stages']})")
+        what += f", {result['options'].get('frames', 'rotations').replace('_', ' ')}"
         rows = [[precision, row["transforms"], row["max_abs_dlogit"], row["js_mean"], row["js_max"], row["dppl"],
                  row["ppl"], row["seconds_per_transform"]]
                 for precision in ("fp32", "fp64") for row in r.get(precision, [])]
@@ -472,7 +510,8 @@ def markdown(result: dict) -> str:
         for mode, mode_rows in by_mode.items():
             ratios = sorted(r["loss_ratio"] for r in mode_rows)
             losses = sorted(r["val_loss"] for r in mode_rows)
-            trows.append([mode, len(mode_rows), mode_rows[0]["rotations"], ratios[len(ratios) // 2],
+            trows.append([_MODE_LABELS.get(mode, mode), len(mode_rows), mode_rows[0]["rotations"],
+                          ratios[len(ratios) // 2],
                           f"{ratios[0]:.4f}-{ratios[-1]:.4f}", losses[len(losses) // 2]])
         parts.append(f"### Training through rotations: `{t['preset']}`, {t['steps']} steps, every boundary rotated "
                      f"every {t['rotate_every']} steps\n\nValidation loss at equal tokens against the same run "
@@ -482,6 +521,10 @@ def markdown(result: dict) -> str:
     if "recovery" in result:
         parts.append(_recovery_markdown(result["recovery"]))
     return "\n\n".join(parts)
+
+
+_MODE_LABELS = {"none_coordinates": "none, residual.basis coordinates (ratio to none)",
+                "signed_perm_coordinates": "signed_perm, residual.basis coordinates (ratio to its none)"}
 
 
 def _recovery_markdown(rec: dict) -> str:

@@ -77,6 +77,10 @@ class Residual(_Strict):
     mode: Literal["dense", "subspace"] = "subspace"
     k: Optional[int] = Field(default=None, gt=0, description="subspace rank; required for mode=subspace")
     wire_dtype: Literal["fp32", "bf16"] = "bf16"
+    basis: Literal["random", "coordinates"] = Field(
+        default="random",
+        description="the subspace U: k random orthonormal directions, or k of the d_model coordinates (chosen by the "
+        "seed); with coordinates, UPM's signed permutations move every weight and Adam moment exactly (docs/UPM.md)")
 
 
 class MuonConfig(_Strict):
@@ -202,6 +206,11 @@ class UpmConfig(_Strict):
     )
     v_mode: Literal["mixed", "keep", "isotropic"] = Field(
         default="mixed", description="how Adam's second moment follows a rotation (agora.frames.V_MODES)")
+    transforms: Literal["rotations", "signed_permutations"] = Field(
+        default="rotations",
+        description="Haar-random orthogonal frames, or random signed permutations: these commute with Adam exactly "
+        "(no loss cost) but only hide which coordinate is which (docs/UPM.md); subspace runs need residual.basis: "
+        "coordinates for them")
 
 
 class SecurityConfig(_Strict):
@@ -366,6 +375,8 @@ class Manifest(_Strict):
             if self.model.tie_embeddings:
                 raise ValueError("model.tie_embeddings needs residual.mode: dense (a subspace head embeds into k "
                                  "coordinates, the LM head reads d_model: there is no one matrix to share)")
+        elif self.residual.basis != "random":
+            raise ValueError("residual.basis is the subspace's basis: it needs residual.mode: subspace")
         warm = self.training.warmup_depth
         if warm is not None and warm.start_depth >= self.model.n_layers:
             raise ValueError(f"training.warmup_depth.start_depth ({warm.start_depth}) must be below model.n_layers "
@@ -390,6 +401,10 @@ class Manifest(_Strict):
             why = "a tied embedding held by head and tail would need one matrix in two frames (untie it)"
         elif self.training.warmup_depth is not None:
             why = "training.warmup_depth is not combined with rotating frames yet"
+        elif (self.security.upm.transforms == "signed_permutations" and self.residual.mode == "subspace"
+              and self.residual.basis != "coordinates"):
+            why = ("transforms: signed_permutations permute the k coordinates of U; with residual.basis: random they "
+                   "still move every read densely (Adam then sees a rotation); set residual.basis: coordinates")
         if why:
             raise ValueError(f"security.upm: {why}")
 
@@ -420,6 +435,10 @@ class Manifest(_Strict):
             del data["optimizer"]["muon"]  # the section came later and is unread here: hashes stay
         if self.security.upm is None:
             del data["security"]["upm"]  # the field came later: manifests without UPM keep their hash
+        elif self.security.upm.transforms == "rotations":
+            del data["security"]["upm"]["transforms"]  # the field came later: UPM manifests keep their hash
+        if self.residual.basis == "random":
+            del data["residual"]["basis"]  # the field came later: manifests keep their hash
         if self.security.state_access == StateAccessConfig():
             del data["security"]["state_access"]  # the section came later: default manifests keep their hash
         if not self.model.tie_embeddings:

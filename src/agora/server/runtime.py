@@ -252,7 +252,8 @@ class StageRuntime:
             raise ValueError("security.upm: rotations move the optimizer's moments on the stage's device; run this "
                              "peer without --offload-optimizer")
         # UPM: this stage's boundary frames and the rotations due (None: the run does not rotate)
-        self.frames = FrameLedger(self.stage, upm.v_mode, self._moments) if upm is not None else None
+        self.frames = (FrameLedger(self.stage, upm.v_mode, self._moments, upm.transforms) if upm is not None
+                       else None)
         warm = manifest.training.warmup_depth
         # A curvature-driven warm-up needs every stage's measurements, at the manifest's cadence.
         every = warm.curvature_every if warm is not None and warm.mode == "curvature" else options.curvature_every

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from agora.config import Manifest
-from agora.frames import (current_gains, enable_frames, frame_width, haar_orthogonal,
+from agora.frames import (as_signed_permutation, current_gains, enable_frames, frame_width, haar_orthogonal,
                           input_gradients, input_weights, orthogonality_error, reorthogonalize, rotate_input,
-                          rotate_output)
+                          rotate_output, signed_permutation)
 from agora.model import Stage
 from agora.net import transport
 from agora.net.admission import MIN_RATE_BYTES_PER_S, IncomingLimits
@@ -84,8 +84,10 @@ class FrameLedger:
     Input side: boundary ``stage - 1`` (none on the head); output side: boundary ``stage`` (none on the tail).
     """
 
-    def __init__(self, stage: Stage, v_mode: str = "mixed", moments=None):
+    def __init__(self, stage: Stage, v_mode: str = "mixed", moments=None, transforms: str = "rotations"):
         self.stage, self.v_mode, self.moments = stage, v_mode, moments  # moments: parameter -> optimizer state
+        # ``signed_permutations``: only those are drawn and accepted, so every transform moves Adam exactly.
+        self.transforms = transforms
         self.index, self.n_stages = stage.spec.index, stage.spec.n_stages
         self.width = frame_width(stage)
         self.epoch_in = 0
@@ -113,6 +115,8 @@ class FrameLedger:
             raise ValueError(f"stage {self.index} is not on boundary {rot.boundary}")
         if tuple(rot.r.shape) != (self.width, self.width):
             raise ValueError(f"a rotation here is {self.width} x {self.width}, got {tuple(rot.r.shape)}")
+        if self.transforms == "signed_permutations" and as_signed_permutation(rot.r) is None:
+            raise ValueError("this run's frames are signed permutations (security.upm.transforms)")
         now = self.epoch_of(rot.boundary)
         if rot.epoch <= now:
             return "applied"
@@ -299,6 +303,9 @@ class Rotations:
         if tuple(r.shape) != (n, n) or await h.run_io(orthogonality_error, r) > 1e-6:
             self.refused += 1
             raise RpcError("bad_request", f"a rotation here is an orthogonal {n} x {n} float64 matrix")
+        if ledger.transforms == "signed_permutations" and await h.run_io(as_signed_permutation, r) is None:
+            self.refused += 1  # a dense rotation would fold gains and move Adam's v inexactly: not this run's kind
+            raise RpcError("bad_request", f"a rotation here is a signed {n} x {n} permutation")
         sender = str(caller)
         sides = {r_.peer_id for s in (boundary, boundary + 1) for r_ in await self._replicas(s)}
         if sender not in sides:  # a replica that joined since our last read: look once more (at most 1/s)
@@ -356,8 +363,9 @@ class Rotations:
         both = mine + await self._replicas(boundary + 1)
         step = max([h.step(), *(r.step for r in both)])
         gen = torch.Generator().manual_seed(secrets.randbits(63))
+        draw = signed_permutation if self.config.transforms == "signed_permutations" else haar_orthogonal
         rot = Rotation(boundary, ledger.epoch_of(boundary) + 1, step + self.config.lead_steps,
-                       haar_orthogonal(ledger.width, gen), h.peer_id)
+                       draw(ledger.width, gen), h.peer_id)
         if await h.run_compute(ledger.accept, rot) != "accepted":
             return
         self.drawn += 1
