@@ -54,3 +54,20 @@ def test_the_noise_row_is_centralized_again_with_its_gradient_sums_reordered(tmp
     assert not any(p.name == "procs" for p in tmp_path.rglob("*"))  # no swarm ran
     with pytest.raises(ValueError, match="--device 'gpu0'"):
         run(tmp_path / "refused", ConvergenceOptions(preset="tiny", device="gpu0"), log=lambda _: None)
+
+
+def test_a_failed_arm_is_reported_and_left_out_of_its_row():
+    """A swarm arm that dies (a demo that could not read the DHT for minutes under a link cap, 2026-12-05) is kept
+    as a failure with its reason: the other seeds of the row are summarised without it, and the markdown says so."""
+    from agora.bench.convergence import _markdown, summarize_rows
+
+    ok = {"seed": 0, "row": "all_capped", "tokens": 10, "val_loss": 6.5, "loss_ratio": 0.999,
+          "steps_per_stage": {"0": 5, "1": 5}, "tokens_per_s": 80.0, "averaging_bytes": 10 ** 9}
+    dead = {"seed": 1, "row": "all_capped", "failed": "TimeoutError: ", "curve": []}
+    alone = {"seed": 1, "row": "replicas", "failed": "RuntimeError: no tokens", "curve": []}
+    rows = summarize_rows([ok, dead, alone], steps=5)
+    assert rows["all_capped"]["seeds"] == [0] and rows["all_capped"]["loss_ratio"]["median"] == 0.999
+    assert rows["all_capped"]["failed"] == [{"seed": 1, "reason": "TimeoutError: "}]
+    assert rows["replicas"] == {"seeds": [], "failed": [{"seed": 1, "reason": "RuntimeError: no tokens"}]}
+    md = _markdown(rows, ConvergenceOptions(preset="small", steps=5, stages=2, seeds=(0, 1)))
+    assert "every seed failed" in md and "all_capped, seed 1: TimeoutError" in md

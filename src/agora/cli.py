@@ -426,7 +426,11 @@ def bench_convergence(
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)
-    run(out, opts, log=console.print)
+    result = run(out, opts, log=console.print)
+    failed = [f"{name} seed {f['seed']}" for name, r in result["rows"].items() for f in r.get("failed") or []]
+    if failed:
+        console.print(f"[red]{len(failed)} arm(s) failed:[/red] {escape(', '.join(failed))} (see result.md)")
+        raise typer.Exit(1)
 
 
 @bench_app.command("gossip")

@@ -173,7 +173,12 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
                 centrals[key] = _centralized(folder, opts, seed, arm, settings, log)
                 runs.append(centrals[key]["run"])
             log(f"convergence: seed {seed}: {name} ({_describe(shape)})")
-            runs.append(_swarm_row(folder / name, opts, seed, name, shape, centrals[key]))
+            try:
+                runs.append(_swarm_row(folder / name, opts, seed, name, shape, centrals[key]))
+            except Exception as err:  # one broken arm must not cost the arms and seeds after it (hours here)
+                reason = f"{type(err).__name__}: {err}"
+                log(f"convergence: seed {seed}: {name} FAILED ({reason}); its folder keeps the logs")
+                runs.append({"seed": seed, "row": name, **shape, "failed": reason, "curve": []})
             _write(out, opts, runs)
         if opts.rows is not None and NOISE_ROW in opts.rows:
             central = centrals.get(()) or _centralized(folder, opts, seed, "centralized", {}, log)
@@ -279,7 +284,11 @@ def summarize_rows(runs: list[dict], steps: int) -> dict[str, dict]:
     seed took ``steps`` steps, and the target (if the issue set one) and whether the median meets it."""
     rows: dict[str, dict] = {}
     for name in dict.fromkeys(r["row"] for r in runs):
-        mine = [r for r in runs if r["row"] == name]
+        failed = [{"seed": r["seed"], "reason": r["failed"]} for r in runs if r["row"] == name and r.get("failed")]
+        mine = [r for r in runs if r["row"] == name and not r.get("failed")]
+        if not mine:
+            rows[name] = {"seeds": [], "failed": failed}
+            continue
         ratios = [r["loss_ratio"] for r in mine]
         vals = [r["val_loss"] for r in mine]
         target = TARGETS.get(name)
@@ -297,6 +306,7 @@ def summarize_rows(runs: list[dict], steps: int) -> dict[str, dict]:
             "averaging_mb": _spread([r.get("averaging_bytes", 0) / 1e6 for r in mine]),
             "rotations": [r.get("rotations", 0) for r in mine],
             "lookahead_forwards": [r.get("lookahead_forwards", 0) for r in mine],
+            "failed": failed,
         }
     return rows
 
@@ -318,23 +328,32 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
     def fmt(v: dict, spec: str) -> str:
         return f"{v['median']:{spec}} ({v['min']:{spec}}-{v['max']:{spec}})"
 
+    def line(name: str, r: dict) -> list:
+        if not r["seeds"]:
+            return [name, 0, "every seed failed"] + [""] * 8
+        return [name, len(r["seeds"]), fmt(r["val_loss"], ".4f"), fmt(r["loss_ratio"], ".4f"),
+                "" if r["target"] is None else f"<= {r['target']:g}",
+                "" if r["met"] is None else ("yes" if r["met"] else "NO"),
+                f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"],
+                fmt(r["tokens_per_s"], ".0f") if r.get("tokens_per_s") else "",
+                fmt(r["averaging_mb"], ".0f") if r.get("averaging_mb") and r["averaging_mb"]["max"] else "",
+                ",".join(str(x) for x in r.get("rotations") or []) if any(r.get("rotations") or []) else "",
+                ",".join(str(x) for x in r.get("lookahead_forwards") or [])
+                if any(r.get("lookahead_forwards") or []) else ""]
+
+    failures = "".join(f"\n- {name}, seed {f['seed']}: {f['reason']}" for name, r in rows.items()
+                       for f in r.get("failed") or [])
+    if failures:
+        failures = f"\n\nFailed arms (left out of their rows above; their folders keep the logs):{failures}"
     table = markdown_table(
         ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage",
          "tokens/s (training window)", "averaging MB sent", "rotations", "look-ahead forwards"],
-        [[name, len(r["seeds"]), fmt(r["val_loss"], ".4f"), fmt(r["loss_ratio"], ".4f"),
-          "" if r["target"] is None else f"<= {r['target']:g}", "" if r["met"] is None else ("yes" if r["met"] else "NO"),
-          f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"],
-          fmt(r["tokens_per_s"], ".0f") if r.get("tokens_per_s") else "",
-          fmt(r["averaging_mb"], ".0f") if r.get("averaging_mb") and r["averaging_mb"]["max"] else "",
-          ",".join(str(x) for x in r.get("rotations") or []) if any(r.get("rotations") or []) else "",
-          ",".join(str(x) for x in r.get("lookahead_forwards") or [])
-          if any(r.get("lookahead_forwards") or []) else ""]
-         for name, r in rows.items()])
+        [line(name, r) for name, r in rows.items()])
     where = "" if (opts.device, opts.precision) == ("cpu", "fp32") else f" on {opts.device} in {opts.precision}"
     return (f"`{opts.preset}`{where}, {opts.stages} stages, {opts.steps} optimizer steps' tokens per arm, seeds "
             f"{list(opts.seeds)}; median (min-max) over seeds of the validation loss and of its ratio to the same "
             f"seed's centralized run (NAdam rows: its centralized NAdam run), on the same held-out batches at equal "
-            f"tokens. A centralized run takes {opts.steps} steps.\n\n{table}")
+            f"tokens. A centralized run takes {opts.steps} steps.\n\n{table}{failures}")
 
 
 def _plot(path: Path, runs: list[dict], opts: ConvergenceOptions) -> None:
