@@ -273,7 +273,9 @@ def test_sparse_replicas_step_on_own_gradients_and_average_a_seeded_slice_in_the
             # One replica alone holds the batch and steps; the other follows at once on its own gradient (none
             # here: a zero-gradient step) and never downloads the state of the one ahead, although they differ.
             await a.run_compute(feed_fake_gradients, a, 99, 16)
-            await _wait(lambda: a.step == b.step == 3, 20, "b to follow a's step")
+            # (``step`` moves when the compute thread applies it, ``local_steps`` when the round coroutine resumes)
+            await _wait(lambda: a.step == b.step == 3 and not a.sync.stepping and not b.sync.stepping, 20,
+                        "b to follow a's step")
             assert a.sync.resyncs == b.sync.resyncs == 0 and b.sync.local_steps == 3
             for i, x in enumerate(nodes):
                 await x.run_compute(feed_fake_gradients, x, 40 + i)
