@@ -144,3 +144,47 @@ def test_a_microbatch_hedged_between_two_replicas_is_applied_by_exactly_one():
     assert sorted(succeeded) == [False, True] and "leaving" in codes and losers == 1
     assert granted == (1 if succeeded[1] else 0)
     assert sum(after[:2]) == 8 and after[2] == 8 and alone[0]["loss"] is not None
+
+
+def test_the_tail_replica_that_drops_a_hedged_microbatch_keeps_none_of_its_gradient():
+    """At the tail the backward runs with the forward, before the point of no return. The replica that drops its
+    copy of a hedged pair (its claim refused, or its run claimed away) must leave the parameters' accumulated
+    gradient as it was: before 2026-12-05 it had already added it, so a swarm's step took the dropped copy's
+    gradient too, uncounted (2 of 8 runs of a 3x2 swarm ended 0.1-0.4% apart in loss)."""
+    from agora.server.observers import Observers
+    from agora.server.runtime import Counters, StageRuntime
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, MAN.model.vocab_size, (4, MAN.model.seq_len), generator=gen, dtype=torch.int32)
+    last = torch.randint(0, MAN.model.vocab_size, (4,), generator=gen, dtype=torch.int32)
+    head = StageRuntime(MAN, 0, Counters(), Observers())
+    pending, _ = head.forward([tokens, last], False, head.generation)
+    boundary = head.boundary(pending)
+    sent = [boundary.coords, boundary.tokens, last]
+    reference = StageRuntime(MAN, 1, Counters(), Observers())
+    expected_upstream = reference.finish_tail(reference.forward(sent, True, reference.generation)[0])
+    expected = [p.grad.clone() for p in reference.stage.parameters()]
+
+    async def main():
+        async with local_swarm(MAN, [0, 1, 1]) as (boot, peers, nodes):
+            _, first, second = nodes
+            await wait_until(lambda: first.peer_id in second.sync.replica_ids, 30, "the tail replicas to see each other")
+            p2p = await boot.replicate_p2p()
+            meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 1, "train": True, "mb": "hedged-tail"}
+            outcomes = await asyncio.gather(
+                transport.call(p2p, first.peer_id, MAN.run_id, FWD_BWD, meta, sent, timeout=60),
+                transport.call(p2p, second.peer_id, MAN.run_id, FWD_BWD, dict(meta, attempt=1, hedge_of=first.peer_id),
+                               sent, timeout=60),
+                return_exceptions=True)
+            grads = [[None if p.grad is None else p.grad.clone() for p in n.runtime.stage.parameters()]
+                     for n in (first, second)]
+            return outcomes, [n.runtime.samples for n in (first, second)], grads
+
+    outcomes, samples, grads = asyncio.run(main())
+    won = [not isinstance(o, BaseException) for o in outcomes]
+    assert sorted(won) == [False, True], outcomes
+    winner, loser = (0, 1) if won[0] else (1, 0)
+    assert samples[winner] == 4 and samples[loser] == 0, samples
+    assert all(g is None for g in grads[loser]), "the replica that dropped the microbatch kept its gradient"
+    assert all(torch.equal(g, e) for g, e in zip(grads[winner], expected))
+    assert torch.equal(outcomes[winner][1][0], expected_upstream)

@@ -203,18 +203,38 @@ def test_a_rotating_swarm_learns_what_a_plain_one_does_and_keeps_rotations_off_t
     assert after["drawn_by_survivors"] >= 1, after
 
 
+def _disturbed(nodes) -> list:
+    """What made a run's replicas step on anything but one complete average per step: failed or aborted rounds,
+    local steps, and states adopted from a replica (a round hivemind finished with part of the results missing,
+    "received 81.8% results", leaves one replica with a partly local gradient; the repair then adopts a state)."""
+    return [(n.stage_index, n.sync.rounds_failed, n.sync.aborted_rounds, n.sync.local_steps, n.sync.resyncs)
+            for n in nodes if n.sync.rounds_failed or n.sync.aborted_rounds or n.sync.local_steps or n.sync.resyncs]
+
+
 def test_signed_permutations_on_a_coordinate_basis_train_as_if_nothing_rotated():
     """``security.upm.transforms: signed_permutations`` with ``residual.basis: coordinates``: every transform renames
     coordinates, weights, gains and Adam moments exactly, so the rotating swarm ends where the plain one does up to
     summation order (Haar rotations cost 0.4-0.6% of loss, docs/UPM.md), and what was drawn and sent were signed
-    permutations."""
+    permutations.
+
+    The tight bound holds for runs in which every step was one complete average; a run that a round disturbed
+    (see ``_disturbed``; about 1 in 10 on a loaded 2-core machine) ends up to 0.1% apart, as a plain run does. Such a
+    pair is run again, at most twice."""
     from agora.frames import as_signed_permutation
 
-    plain = asyncio.run(_train(_manifest(False, signed=True)))
-    rot = asyncio.run(_train(_manifest(True, signed=True)))
-    nodes = rot["nodes"]
-    assert min(n.runtime.frames.epoch_in for n in nodes if n.stage_index > 0) >= 2
-    rotations = [r for n in nodes for r in n.runtime.frames.r_in.values()]
-    assert rotations and all(as_signed_permutation(r) is not None for r in rotations)
-    assert rot["after"] < rot["before"] - 0.05
-    assert abs(rot["after"] - plain["after"]) / plain["after"] < 1e-4, (rot["after"], plain["after"])
+    attempts = []
+    for _ in range(3):
+        plain = asyncio.run(_train(_manifest(False, signed=True)))
+        rot = asyncio.run(_train(_manifest(True, signed=True)))
+        nodes = rot["nodes"]
+        assert min(n.runtime.frames.epoch_in for n in nodes if n.stage_index > 0) >= 2
+        rotations = [r for n in nodes for r in n.runtime.frames.r_in.values()]
+        assert rotations and all(as_signed_permutation(r) is not None for r in rotations)
+        assert rot["after"] < rot["before"] - 0.05
+        disturbed = _disturbed(plain["nodes"]) + _disturbed(nodes)
+        attempts.append((rot["after"], plain["after"], disturbed))
+        if not disturbed:
+            break
+    after, plain_after, disturbed = attempts[-1]
+    assert not disturbed, f"every pair of runs had a disturbed round: {attempts}"
+    assert abs(after - plain_after) / plain_after < 1e-4, attempts

@@ -460,6 +460,16 @@ def input_weights(stage: Stage, weights: dict[str, Tensor], r: Tensor, gains: di
     return {n: v.to(weights[n].dtype) for n, v in out.items()}
 
 
+FRAME_KINDS = ("rotations", "signed_permutations")  # ``security.upm.transforms``
+
+
+def frame_drawer(kind: str) -> Callable[[int, torch.Generator], Tensor]:
+    """How a boundary's next transform is drawn for ``security.upm.transforms`` (``FRAME_KINDS``)."""
+    if kind not in FRAME_KINDS:
+        raise ValueError(f"frames must be one of {', '.join(FRAME_KINDS)}, got {kind!r}")
+    return signed_permutation if kind == "signed_permutations" else haar_orthogonal
+
+
 def signed_permutation(n: int, generator: torch.Generator) -> Tensor:
     """A random signed permutation (float64): the rotations under which Adam's second moment moves exactly."""
     perm = torch.randperm(n, generator=generator)

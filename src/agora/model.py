@@ -486,7 +486,8 @@ class Stage(nn.Module):
 
     def _to_next_frame(self, x: Tensor) -> Tensor:
         """x Q(M): the residual stream in the next stage's frame (UPM). In subspace runs F U = 0, so only the k
-        coordinates move: x + (x U)(M - I) U^T."""
+        coordinates move: (x - c U^T) + (c M) U^T with c = x U. Written so, not as x + (c M - c) U^T: on a coordinate
+        basis with a signed permutation M every operation is then exact (zeroing k coordinates, then filling them)."""
         m = self.boundary_map
         if m is None:
             return x
@@ -495,7 +496,7 @@ class Stage(nn.Module):
             return x @ m
         u = self.basis.to(x.dtype)
         c = x @ u
-        return x + (c @ m - c) @ u.T
+        return (x - c @ u.T) + (c @ m) @ u.T
 
     def _forward_cached(self, x_or_tokens: Tensor, cache: KVCache) -> Tensor:
         if cache.layers != tuple(self.layers):

@@ -26,13 +26,13 @@ import torch
 from agora.bench.common import markdown_table, write_result
 from agora.config import Manifest, even_split, load_manifest
 from agora.data import TokenDataset, build_datasets, split_documents, load_documents, tokenize_documents
-from agora.frames import enable_frames, exact_basis, frame_width, haar_orthogonal, rotate_boundary
+from agora.frames import (FRAME_KINDS, enable_frames, exact_basis, frame_drawer, frame_width, haar_orthogonal,
+                          rotate_boundary)
 from agora.model import PipelineModel, Stage, build_stages
 
 logger = logging.getLogger("agora.bench")
 
 SECTIONS = ("preservation", "stitching", "training", "recovery")
-FRAME_KINDS = ("rotations", "signed_permutations")
 TRAINING_MODES = ("none", "mixed", "isotropic", "keep", "signed_perm", "none_coordinates", "signed_perm_coordinates")
 RECOVERY_TARGET = 0.6  # issue #17: recovering a stitched model needs >= 60% of the tokens of training from scratch
 
@@ -106,13 +106,6 @@ def _js(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 def _ppl(logits: torch.Tensor, targets: torch.Tensor) -> float:
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return float(loss.exp())
-
-
-def frame_drawer(kind: str):
-    """How the bench draws a boundary's transform: ``rotations`` (Haar) or ``signed_permutations``."""
-    from agora.frames import signed_permutation
-
-    return signed_permutation if kind == "signed_permutations" else haar_orthogonal
 
 
 def compare(ref: torch.Tensor, now: torch.Tensor, targets: torch.Tensor) -> dict:

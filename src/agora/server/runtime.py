@@ -197,6 +197,9 @@ class Pending:
     frame_back: Optional[torch.Tensor] = None
     frame_map: Optional[torch.Tensor] = None
     frame_out: Optional[int] = None  # the frame epoch of our output boundary at the forward (sent downstream)
+    # The tail's parameter gradients of this microbatch (its backward runs in ``forward``), added to the accumulated
+    # sums only by ``finish_tail``: a microbatch dropped at its point of no return must leave no gradient behind.
+    tail_grads: Optional[list] = None
 
 
 WARMUP_CLOCK = "warmup/clock"  # the architecture warm-up's clock in a stage's state (runs with a warm-up only)
@@ -361,6 +364,7 @@ class StageRuntime:
         # weights for the forward and backward, and the master weights again before anything else runs.
         swapped = (self._swap_in({n: w.detach() for n, w in self._stashed().items()})
                    if ahead and self.is_tail else None)
+        tail_grads = None
         try:
             with torch.set_grad_enabled(keep_graph):
                 with self._autocast():
@@ -371,8 +375,12 @@ class StageRuntime:
                     loss = float(loss_t.detach())
                     if train:
                         # Sum over sequences of per-sequence mean loss: gradients add up to samples x mean. (Outside
-                        # autocast: the backward runs in the dtypes the forward chose.)
-                        (loss_t * tokens.shape[0]).backward()
+                        # autocast: the backward runs in the dtypes the forward chose.) Into buffers of this
+                        # microbatch, not the parameters' .grad: the handler may still drop it (a hedge applied it
+                        # elsewhere, its caller left) and only ``finish_tail`` counts it. Accumulating here once let
+                        # a dropped hedge's gradient into the step uncounted (2026-12-05: 2 of 8 runs of a 3x2 swarm
+                        # ended 0.1-0.4% apart, the tail's first gradient norm 1.6x too large).
+                        tail_grads = self._tail_gradients(loss_t * tokens.shape[0], leaf)
                         if self.curvature is not None:
                             self.curvature.keep(coords, tokens, targets=next_token_targets(tokens, last))
         finally:
@@ -385,7 +393,17 @@ class StageRuntime:
         return Pending(tokens, leaf, out, self.step, self.generation, fwd_s, weights=stash,
                        version=self.sent_version(self.step), coords=kept, clock=self.warmup_clock,
                        frame_in=self.frames.epoch_in if self.frames is not None else 0, frame_back=back,
-                       frame_map=self.stage.boundary_map, frame_out=self.frame_out), loss
+                       frame_map=self.stage.boundary_map, frame_out=self.frame_out, tail_grads=tail_grads), loss
+
+    def _tail_gradients(self, loss: torch.Tensor, leaf: Optional[torch.Tensor]) -> list:
+        """(parameter, gradient) of every trained parameter the loss reaches; the input gradient goes to
+        ``leaf.grad`` as a backward would put it (``_accepted`` sends it upstream)."""
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        inputs = ([leaf] if leaf is not None else []) + params
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        if leaf is not None:
+            leaf.grad, grads = grads[0], grads[1:]
+        return [(p, g) for p, g in zip(params, grads) if g is not None]
 
     def _into_frame(self, coords: Optional[torch.Tensor], frame: Optional[int]):
         """(coords in our input frame, the map back to the sender's frame or None). UPM runs only."""
@@ -521,8 +539,21 @@ class StageRuntime:
         return self._accepted(pending)
 
     def finish_tail(self, pending: Pending) -> Optional[torch.Tensor]:
-        """The tail's backward already ran in ``forward``: count the samples, return the gradient for upstream."""
+        """The tail's backward already ran in ``forward``: add its gradients to the accumulated sums, count the
+        samples, return the gradient for upstream."""
         self.check_generation(pending.generation)
+        if pending.tail_grads:
+            if self.frames is not None and pending.frame_in != self.frames.epoch_in:
+                # Our input frame rotated since the forward (a step on a partial batch came between): its gradients
+                # are of weights in the old frame, which only a snapshot could convert. The caller retries it.
+                raise RpcError("frame_unknown", f"the tail's input frame rotated from {pending.frame_in} to "
+                                                f"{self.frames.epoch_in} while this microbatch waited; run it again")
+            for p, g in pending.tail_grads:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+            pending.tail_grads = None
+            stale = self.step - pending.step  # a step may have come since the forward (a partial batch's)
+            self.counters.staleness_sum += stale
+            self.counters.staleness_max = max(self.counters.staleness_max, stale)
         return self._accepted(pending)
 
     def _accepted(self, pending: Pending) -> Optional[torch.Tensor]:

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from agora.config import Manifest
-from agora.frames import (as_signed_permutation, current_gains, enable_frames, frame_width, haar_orthogonal,
+from agora.frames import (as_signed_permutation, current_gains, enable_frames, frame_drawer, frame_width,
                           input_gradients, input_weights, orthogonality_error, reorthogonalize, rotate_input,
-                          rotate_output, signed_permutation)
+                          rotate_output)
 from agora.model import Stage
 from agora.net import transport
 from agora.net.admission import MIN_RATE_BYTES_PER_S, IncomingLimits
@@ -363,9 +363,8 @@ class Rotations:
         both = mine + await self._replicas(boundary + 1)
         step = max([h.step(), *(r.step for r in both)])
         gen = torch.Generator().manual_seed(secrets.randbits(63))
-        draw = signed_permutation if self.config.transforms == "signed_permutations" else haar_orthogonal
         rot = Rotation(boundary, ledger.epoch_of(boundary) + 1, step + self.config.lead_steps,
-                       draw(ledger.width, gen), h.peer_id)
+                       frame_drawer(self.config.transforms)(ledger.width, gen), h.peer_id)
         if await h.run_compute(ledger.accept, rot) != "accepted":
             return
         self.drawn += 1
