@@ -168,7 +168,8 @@ def test_the_tail_replica_that_drops_a_hedged_microbatch_keeps_none_of_its_gradi
     async def main():
         async with local_swarm(MAN, [0, 1, 1]) as (boot, peers, nodes):
             _, first, second = nodes
-            await wait_until(lambda: first.peer_id in second.sync.replica_ids, 30, "the tail replicas to see each other")
+            await wait_until(lambda: first.peer_id in second.sync.replica_ids, 30,
+                             "the tail replicas to see each other")
             p2p = await boot.replicate_p2p()
             meta = {"run_id": MAN.run_id, "manifest_hash": MAN.hash, "stage": 1, "train": True, "mb": "hedged-tail"}
             outcomes = await asyncio.gather(

@@ -114,9 +114,12 @@ def lift(stage: Stage, r: Tensor) -> Tensor:
     return torch.eye(u.shape[0], dtype=torch.float64) + u @ (r - torch.eye(r.shape[0], dtype=torch.float64)) @ u.T
 
 
-def enable_frames(stage: Stage, allow_tied_copies: bool = False, moments: Optional[Moments] = None) -> None:
+def enable_frames(stage: Stage, allow_tied_copies: bool = False, moments: Optional[Moments] = None,
+                  fold: bool = True) -> None:
     """Give a non-tail stage its boundary map (identity: nothing changes yet) and fold every input-side norm gain
-    into the reads after it, so rotations commute with the norms. Idempotent.
+    into the reads after it, so rotations commute with the norms. Idempotent. ``fold=False``: signed permutations
+    only (they permute the gains instead, ``rotate_input``), so a trained stage's gains and reads stay as they are;
+    folding them mid-training reparametrises what Adam steps, so training no longer matches a run without frames.
 
     ``allow_tied_copies``: the head's embedding and the tail's LM head of a tied model are separate copies here
     (an offline measurement) and may each live in their own frame. In a swarm they are kept equal by averaging
@@ -128,7 +131,8 @@ def enable_frames(stage: Stage, allow_tied_copies: bool = False, moments: Option
     if not stage.spec.is_tail and stage.boundary_map is None:
         n = frame_width(stage)
         stage.boundary_map = torch.eye(n, dtype=torch.float64, device=stage.rope_cos.device)
-    fold_gains(stage, moments)
+    if fold:
+        fold_gains(stage, moments)
 
 
 @torch.no_grad()

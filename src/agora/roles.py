@@ -294,6 +294,8 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "averaging_timeout_s": sync.ctx.averaging_timeout_s if sync else None,
         "rounds_ok": sum(s.rounds_ok for s in syncs),
         "rounds_failed": sum(s.rounds_failed for s in syncs),
+        # of those, all-reduces hivemind finished with part of the average missing (GuardedAverager.partial_rounds)
+        "partial_rounds": sum(s.partial_rounds for s in syncs),
         "local_steps": sum(s.local_steps for s in syncs),
         "resyncs": sum(s.resyncs for s in syncs),
         "share_redirects": sum(s.share_redirects for s in syncs),

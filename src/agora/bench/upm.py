@@ -195,17 +195,20 @@ def training_rows(m: Manifest, steps: int, every: int, modes: tuple[str, ...], s
             gen = torch.Generator().manual_seed(seed + 7)
             rotations = [0]
 
-            def after_step(model, opt, step, mode=mode, gen=gen, rotations=rotations):
+            def after_step(model, opt, step, mode=mode, gen=gen, rotations=rotations, coordinates=coordinates):
                 if mode.startswith("none") or (step + 1) % every:
                     return
                 stages = list(model.stages)
                 moments = lambda p: opt.state.get(p) or None  # noqa: E731
+                signed = mode.startswith("signed_perm")
                 if rotations[0] == 0:
+                    # Boundary maps; gains folded with their moments, except for signed permutations on a
+                    # coordinate basis, which permute them (a swarm folds at its first step, where gains are 1 and
+                    # folding changes nothing).
                     for st in stages:
-                        enable_frames(st, moments=moments)  # boundary maps; gains folded with their moments
+                        enable_frames(st, moments=moments, fold=not (signed and coordinates))
                 width = frame_width(stages[0])
                 for b in range(len(stages) - 1):
-                    signed = mode.startswith("signed_perm")
                     r = signed_permutation(width, gen) if signed else haar_orthogonal(width, gen)
                     rotate_boundary(stages, b, r, moments, "mixed" if signed else mode)
                 rotations[0] += 1

@@ -78,6 +78,9 @@ class StageRecord:
     admitted: int = 0  # samples of training microbatches taken toward that step and still in flight here
     fingerprint: float = 0.0  # checksum of the parameters after ``step`` (replicas must agree)
     averaging_step: int = -1  # the step this peer is averaging gradients for right now (-1: not averaging)
+    # The step this peer took on its own gradients after its round with replicas failed (-1: its last step was
+    # averaged, or it was alone): replicas at that step with other parameters keep theirs (``repair_source``).
+    fallback_step: int = -1
     addrs: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     # The parameters' values at seeded positions, the same on every replica of the stage: consensus distance.

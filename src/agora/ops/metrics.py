@@ -198,6 +198,9 @@ class NodeCollector(Collector):
             rounds.add_metric(["failed"], sync.rounds_failed)
             rounds.add_metric(["local"], sync.local_steps)
             yield rounds
+            yield CounterMetricFamily("agora_partial_allreduce_rounds", "Failed rounds whose all-reduce hivemind "
+                                      "finished with part of the average missing (a reducer or sender timed out).",
+                                      value=sync.partial_rounds)
             yield CounterMetricFamily("agora_state_resyncs", "State downloads from replicas.", value=sync.resyncs)
             clipping = CounterMetricFamily("agora_clip_steps", "Steps by how their gradient was clipped (global: by "
                                            "every stage's norm; fallback: another stage's norm did not arrive "

@@ -497,6 +497,7 @@ class StageNode:
             admitted=sync.admitted if sync else 0,
             fingerprint=sync.fingerprint if sync and sync.fingerprint_valid else 0.0,
             averaging_step=sync.averaging_step if sync else -1,
+            fallback_step=sync.fallback_step if sync else -1,
             addrs=self.maddrs,
             param_sample_step=sample_step,
             param_sample=list(sample),

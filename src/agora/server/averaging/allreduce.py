@@ -61,15 +61,49 @@ def canonical_(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GuardedAverager(DecentralizedAverager):
-    """hivemind's averager process, ended when the node process that started it dies (``net.lifeline``)."""
+    """hivemind's averager process, ended when the node process that started it dies (``net.lifeline``), counting
+    the all-reduces it finished with part of the average missing (``partial_rounds``, ``incomplete_allreduce``).
+
+    Why count them: when a reducer of some parts does not answer in time, hivemind finishes the all-reduce with our
+    own values in those parts ("received 81.8% results") and reports success. This replica then holds a partly local
+    gradient while the others hold the average; ``ReplicaSync`` treats such a round as failed, and the replicas'
+    repair adopts the state of one that averaged (``full.repair_source``)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._lifeline = ParentWatch()
+        self._partial = mp.Value("q", 0)  # shared: the all-reduce runs in the averager's process
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         self._lifeline.start()
         super().run()
+
+    @property
+    def partial_rounds(self) -> int:
+        """All-reduces this averager finished with parts of the average replaced by its own values, so far."""
+        return int(self._partial.value)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: Any = None, **kwargs: Any) -> None:
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+        running = self._running_groups.get(group_info.group_id if group_id is None else group_id)
+        runner = running.result() if running is not None and running.done() and not running.cancelled() else None
+        if runner is not None and incomplete_allreduce(runner):
+            with self._partial.get_lock():
+                self._partial.value += 1
+
+
+def incomplete_allreduce(runner: Any) -> bool:
+    """Whether a finished hivemind ``AllReduceRunner`` left anything out of its average: parts whose reducer did not
+    answer (our own values stand in for them) or, in the parts we reduced, inputs of a sender that did not send in
+    time (those parts are the others' average, and that sender keeps its own values for them)."""
+    container = getattr(runner, "tensor_part_container", None)
+    if container is not None and container.failed_size:
+        return True
+    reducer = getattr(runner, "tensor_part_reducer", None)
+    if reducer is None or not reducer.num_parts or not reducer.num_senders:
+        return False
+    return sum(reducer.num_parts_received) != reducer.num_parts * reducer.num_senders
 
 
 class PowerSGDAverager(GuardedAverager):

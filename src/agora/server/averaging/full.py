@@ -3,9 +3,9 @@
 Why float64: hivemind applies the result as ``local += (average - local)``; in float32 that leaves replicas a
 rounding error apart, in float64 the error vanishes when cast back to float32, so replicas stay bit-identical and a
 fingerprint mismatch at one step means a real divergence (a failed round, a local fallback step), repaired by
-adopting the state of the replica with the smallest peer id. Replicas whose steps round differently (another device
-or optimizer kernel) agree when their sampled parameters are within ``averaging.agreement_tolerance``
-(``ReplicaSync.agrees_with``).
+adopting the state of one replica that averaged (``repair_source``). Replicas whose steps round differently
+(another device or optimizer kernel) agree when their sampled parameters are within
+``averaging.agreement_tolerance`` (``ReplicaSync.agrees_with``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from agora.net.records import PeerState
+from agora.net.records import PeerState, StageRecord
 from agora.server.averaging.allreduce import GuardedAverager
 from agora.server.averaging.sync import ReplicaSync, SyncContext
 
@@ -25,6 +25,24 @@ logger = logging.getLogger("agora.averaging")
 # How long a replica holds its step for replicas behind it (a state download of a 100M-parameter stage takes
 # 20-40 s on a loaded 2-core machine, seconds on a real one).
 CATCH_UP_WAIT_S = 45.0
+
+
+def repair_source(replicas: list[StageRecord], me: str, fell_back: bool, step: int) -> Optional[StageRecord]:
+    """Whose state the replicas at ``step`` adopt when their parameters differ (None: ours, we are the source).
+
+    The smallest peer id among the replicas that averaged that step, ourselves included; among all of them only
+    when none did. A replica whose round failed took a step on its own gradients (``fell_back``; a record's
+    ``fallback_step``), and one whose all-reduce came back with parts missing counts as failed: taking the smallest
+    id among all had the replicas that applied the true average adopt such a partly local step about half the time
+    (2026-12-05). Every replica computes the same choice from the same records, so they converge on one state."""
+    averaged = [r for r in replicas if r.fallback_step != step]
+    if not fell_back:
+        pool = [(r.peer_id, r) for r in averaged] + [(me, None)]
+    elif averaged:
+        pool = [(r.peer_id, r) for r in averaged]
+    else:
+        pool = [(r.peer_id, r) for r in replicas] + [(me, None)]
+    return min(pool, key=lambda item: item[0])[1]
 
 
 class FullSync(ReplicaSync):
@@ -71,10 +89,10 @@ class FullSync(ReplicaSync):
         averaging = any(r.averaging_step == rt.step for r in same)
         if not averaging and self.fingerprint_valid:
             # Same step, different parameters (a broken round, a local fallback step): everyone adopts the state of
-            # the replica with the smallest peer id. No round is running for this step, so none is cut short.
-            known = [r for r in same if r.fingerprint]
-            leader = min(known, key=lambda r: r.peer_id, default=None)
-            if leader is not None and leader.peer_id < c.peer_id and self.agrees_with(leader) is False:
+            # one replica (``repair_source``). No round is running for this step, so none is cut short.
+            leader = repair_source([r for r in same if r.fingerprint], c.peer_id, self.fallback_step == rt.step,
+                                   rt.step)
+            if leader is not None and self.agrees_with(leader) is False:
                 d = self.agreement_distance
                 distance = "" if d is None else f" (sampled distance {d:.2g})"
                 logger.warning(f"stage {c.stage_index}: parameters differ from replica {leader.peer_id[-8:]} at "

@@ -218,6 +218,10 @@ class ReplicaSync:
         self.control = None  # hivemind's StepControl of the round in progress (its stage shows where it is)
         self.closed = False
         self.rounds_ok = self.rounds_failed = self.local_steps = self.resyncs = self.aborted_rounds = 0
+        self.partial_rounds = 0  # rounds hivemind finished with part of our average missing (counted as failed)
+        # The step our last failed round made on our own gradients while replicas were at that step: until we
+        # step again or load a state, replicas at that step with other parameters keep theirs (``repair_source``).
+        self.fallback_step = -1
         self.averaging_step = -1
         self._epoch = 0  # bumped by every state download
         self._announced_counts, self._announced_at = (0, 0), 0.0
@@ -444,6 +448,7 @@ class ReplicaSync:
 
         def load() -> None:
             rt.import_state(reply["step"], names, tensors, keep_grads=keep_grads)
+            self.fallback_step = -1
             self._epoch += 1
             self._state_replaced()
             self._set_fingerprint()
@@ -874,6 +879,7 @@ class ReplicaSync:
         c = self.ctx
         self.averaging_step = c.runtime.step
         sent_before = self.bytes_sent
+        partial_before = getattr(self.round_averager(), "partial_rounds", 0)
         try:
             await c.announce()  # tells replicas to join now, instead of when their own counts catch up
             result = await self._average(samples, grads)
@@ -882,6 +888,13 @@ class ReplicaSync:
             result = None
         finally:
             self.averaging_step = -1
+        if result is not None and getattr(self.round_averager(), "partial_rounds", 0) > partial_before:
+            # Parts of our average are our own values (a reducer did not answer in time); the replicas that got
+            # every part applied the true average. A failed round: the repair then adopts one of their states.
+            self.partial_rounds += 1
+            logger.warning(f"stage {c.stage_index}: the all-reduce of step {c.runtime.step} finished with part of "
+                           f"the average missing; counted as a failed round")
+            result = None
         if result is not None and await self._untrusted(result):
             result = None
         if result is None:
@@ -932,6 +945,7 @@ class ReplicaSync:
         await c.run_compute(step)
         if local:  # counted once the step is applied: a scrape never sees more local steps than steps
             self.local_steps += 1
+        self.fallback_step = rt.step if local and n_others > 0 else -1
         self._step_taken()
         dt = time.monotonic() - t0
         # Where a round's time went: waiting for the compute thread to hand over the gradients, the group's

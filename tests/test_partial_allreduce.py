@@ -1,0 +1,79 @@
+"""An all-reduce that hivemind finishes with part of the average missing is counted (``GuardedAverager``), and the
+replicas then repair toward the state of one that averaged (``full.repair_source``)."""
+
+from __future__ import annotations
+
+import hivemind
+import torch
+
+from agora.net.records import StageRecord
+from agora.server.averaging.allreduce import GuardedAverager
+from agora.server.averaging.full import repair_source
+
+SIZE = 200_000
+
+
+def _pair(prefix: str, dhts, hasty: bool) -> list[GuardedAverager]:
+    """Two averagers of one group; with ``hasty`` the first gives its reducer and senders 1 microsecond, so it
+    stops waiting for the other's parts before they can arrive (what a slow link does to a real round)."""
+    out = []
+    for i, dht in enumerate(dhts):
+        timeouts = {"reducer_timeout": 1e-6, "sender_timeout": 5e-7} if hasty and i == 0 else {}
+        out.append(GuardedAverager([torch.full((SIZE,), float(i))], dht, prefix=prefix, start=True,
+                                   min_group_size=2, target_group_size=2, min_matchmaking_time=1.0,
+                                   request_timeout=0.5, allreduce_timeout=15, next_chunk_timeout=5.0, **timeouts))
+    return out
+
+
+def _round(averagers) -> list[tuple[bool, int]]:
+    """One step of every averager: (its buffer holds the true average everywhere, its partial-round count)."""
+    controls = [a.step(wait=False, timeout=15) for a in averagers]
+    for c in controls:
+        c.result(30)
+    out = []
+    for a in averagers:
+        with a.get_tensors() as (t,):
+            out.append((bool((t == 0.5).all()), a.partial_rounds))
+    return out
+
+
+def test_an_allreduce_with_parts_missing_is_counted_and_a_complete_one_is_not():
+    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(a) for a in boot.get_visible_maddrs()]
+    dhts = [hivemind.DHT(initial_peers=peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+    averagers = []
+    try:
+        averagers += _pair("complete", dhts, hasty=False)
+        complete = _round(averagers[:2])
+        averagers += _pair("partial", dhts, hasty=True)
+        partial = _round(averagers[2:])
+    finally:
+        for a in averagers:
+            a.shutdown()
+        for d in [*dhts, boot]:
+            d.shutdown()
+    assert complete == [(True, 0), (True, 0)], complete
+    # hivemind reports success either way; every averager left without the true average knows it
+    assert any(not exact for exact, _ in partial), partial
+    assert all(exact or count == 1 for exact, count in partial), partial
+
+
+def _rec(peer: str, fallback_step: int = -1) -> StageRecord:
+    return StageRecord(peer_id=peer, stage=1, state="serving", manifest_hash="h", step=5, fallback_step=fallback_step)
+
+
+def test_the_repair_adopts_the_smallest_replica_that_averaged():
+    # Nobody fell back: the smallest peer id, ourselves included (None: ours is the state everyone adopts).
+    assert repair_source([_rec("b"), _rec("c")], "a", False, 5) is None
+    assert repair_source([_rec("a"), _rec("c")], "b", False, 5).peer_id == "a"
+    # "a" stepped on its own gradients at step 5: the others keep the smallest among those that averaged...
+    assert repair_source([_rec("a", 5), _rec("c")], "b", False, 5) is None
+    assert repair_source([_rec("a", 5), _rec("b")], "c", False, 5).peer_id == "b"
+    # ...and "a" adopts it, though its id is the smallest.
+    assert repair_source([_rec("b"), _rec("c")], "a", True, 5).peer_id == "b"
+    # A fallback at an older step says nothing about this one.
+    assert repair_source([_rec("a", 4), _rec("c")], "b", False, 5).peer_id == "a"
+    # Everyone fell back: the smallest id among all.
+    assert repair_source([_rec("b", 5), _rec("c", 5)], "a", True, 5) is None
+    assert repair_source([_rec("a", 5), _rec("c", 5)], "b", True, 5).peer_id == "a"
+    assert repair_source([], "a", True, 5) is None
