@@ -170,7 +170,7 @@ def test_a_rotating_swarm_learns_what_a_plain_one_does_and_keeps_rotations_off_t
     assert sorted(len(reps) for reps in by_stage.values()) == [1 if gone in {n.peer_id for n in nodes} else 2, 2, 2]
     # Replicas of a stage kept averaging in one frame: bit-identical parameters. (A round that hivemind finished
     # with part of the results missing, "received 81.8% results", once left the tail's two replicas apart at the
-    # last wave; their next tick repairs that by adopting the lowest replica's state: ``rot["joiner"]["agreed"]``.)
+    # last wave; their next tick repairs that by adopting the state of one that averaged: ``rot["joiner"]["agreed"]``.)
     assert rot["joiner"]["agreed"], "replicas of a stage did not agree within 30 s of the last wave"
     for s, reps in by_stage.items():
         for (name, a), b in zip(reps[0].stage.named_parameters(), reps[-1].stage.parameters()):
