@@ -532,9 +532,7 @@ class StageRuntime:
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
                     pending.weights[name].grad = None
-        stale = self.step - pending.step
-        self.counters.staleness_sum += stale
-        self.counters.staleness_max = max(self.counters.staleness_max, stale)
+        self._count_staleness(pending)
         self._measure(pending.tokens.numel(), pending.fwd_s + self._account(t0, pending.tokens.numel(), "backward"))
         return self._accepted(pending)
 
@@ -551,10 +549,14 @@ class StageRuntime:
             for p, g in pending.tail_grads:
                 p.grad = g if p.grad is None else p.grad.add_(g)
             pending.tail_grads = None
-            stale = self.step - pending.step  # a step may have come since the forward (a partial batch's)
-            self.counters.staleness_sum += stale
-            self.counters.staleness_max = max(self.counters.staleness_max, stale)
+            self._count_staleness(pending)  # a step may have come since the forward (a partial batch's)
         return self._accepted(pending)
+
+    def _count_staleness(self, pending: Pending) -> None:
+        """Steps taken between a microbatch's forward and the moment its gradient joins the accumulated sums."""
+        stale = self.step - pending.step
+        self.counters.staleness_sum += stale
+        self.counters.staleness_max = max(self.counters.staleness_max, stale)
 
     def _accepted(self, pending: Pending) -> Optional[torch.Tensor]:
         self.samples += pending.tokens.shape[0]
