@@ -71,3 +71,16 @@ def test_a_failed_arm_is_reported_and_left_out_of_its_row():
     assert rows["replicas"] == {"seeds": [], "failed": [{"seed": 1, "reason": "RuntimeError: no tokens"}]}
     md = _markdown(rows, ConvergenceOptions(preset="small", steps=5, stages=2, seeds=(0, 1)))
     assert "every seed failed" in md and "all_capped, seed 1: TimeoutError" in md
+
+
+def test_the_fp32_wire_row_is_serial_compared_with_the_plain_centralized_arm():
+    """``serial_fp32_wire`` is ``serial`` with the boundary sent in fp32 instead of the preset's dtype (``small``:
+    bf16). The wire dtype does not exist in a centralized run, so the row shares its seed's plain centralized arm
+    (as the look-ahead row does with NAdam's) instead of running one of its own."""
+    from agora.bench.convergence import _central_arm
+
+    shapes = ConvergenceOptions(preset="small", rows=("serial", "serial_fp32_wire", "nadam_lookahead")).row_shapes()
+    assert shapes["serial_fp32_wire"] == {**shapes["serial"], "overrides": {"residual.wire_dtype": "fp32"}}
+    assert _central_arm(shapes["serial_fp32_wire"]) == _central_arm(shapes["serial"]) == ("centralized", {})
+    assert _central_arm(shapes["nadam_lookahead"]) == ("centralized_nadam", {"optimizer.name": "nadam",
+                                                                             "optimizer.betas": (0.99, 0.999)})

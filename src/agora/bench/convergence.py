@@ -4,8 +4,10 @@ Per seed, centralized ``train-local`` first, then a swarm per row, every arm on 
 (``StopRule.exact_tokens``) and validated on the same held-out batches once the stages applied every sample. The
 rows add one source of difference at a time to ``serial``, then all together:
 
-  serial          one replica per stage, one microbatch in flight, ``batch.overlap_rounds`` off: the same
-                  computation as centralized (whose arm streams the same shard in the same order), to float rounding
+  serial          one replica per stage, one microbatch in flight, ``batch.overlap_rounds`` off: centralized
+                  training (whose arm streams the same shard in the same order) split into stages, with the preset's
+                  wire dtype at the boundaries (``small``: bf16 coordinates and gradients, which centralized lacks)
+  serial_fp32_wire  ``serial`` with an fp32 wire: the very computation of the centralized arm, bit for bit
   overlap         ``serial`` with rounds overlapping the next step's forwards (their weights one step old)
   in_flight       ``serial`` with ``in_flight`` microbatches in flight (pipelining within a step)
   replicas        ``serial`` with ``replicas`` per stage, full averaging
@@ -58,15 +60,19 @@ from agora.lab.train_local import train_local
 
 # Not a swarm: the centralized arm again with its gradient sums reordered, for the float noise floor of a ratio.
 NOISE_ROW = "centralized_reordered"
-ROWS = ("serial", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense", "powersgd_cold", "sparse",
+ROWS = ("serial", "serial_fp32_wire", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense", "powersgd_cold", "sparse",
         "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all", "all_no_overlap", "all_overlap",
         "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam", "nadam_lookahead",
         "nadam_no_overlap", NOISE_ROW)
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
+# Manifest settings other rows change that only a swarm has (a centralized run has no pending step and no wire):
+# such a row is compared with the centralized arm without them.
+OVERRIDES = {"serial_fp32_wire": {"residual.wire_dtype": "fp32"}}
+SWARM_ONLY = ("optimizer.lookahead", "residual.wire_dtype")
 # The issue's targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
-TARGETS = {"serial": 1.001, "all": 1.02, "all_no_overlap": 1.02, "all_overlap": 1.02, "powersgd": 1.03,
+TARGETS = {"serial": 1.001, "serial_fp32_wire": 1.001, "all": 1.02, "all_no_overlap": 1.02, "all_overlap": 1.02, "powersgd": 1.03,
            "powersgd_no_dense": 1.03, "powersgd_cold": 1.03, "sparse": 1.03}
 SWARM_TIMEOUT_S = 7200
 
@@ -116,6 +122,7 @@ class ConvergenceOptions:
 
         shapes = {
             "serial": row(1, 1, False),
+            "serial_fp32_wire": row(1, 1, False),
             "overlap": row(1, 1, True),
             "in_flight": row(1, f, False),
             "replicas": row(r, 1, False),
@@ -138,7 +145,7 @@ class ConvergenceOptions:
             "nadam_lookahead": row(r, f, True),
             "nadam_no_overlap": row(r, f, False),
         }
-        for name, settings in OPTIMIZERS.items():
+        for name, settings in {**OPTIMIZERS, **OVERRIDES}.items():
             shapes[name]["overrides"] = settings
         if self.link_mbps is not None:
             shapes["all_capped"] = row(r, f, None, mbps=self.link_mbps)
@@ -194,9 +201,9 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
 
 def _central_arm(shape: dict) -> tuple[str, dict]:
     """The centralized arm a row is compared with (its name, its manifest settings): ``centralized``, or
-    ``centralized_nadam`` for the NAdam rows. The look-ahead is left out: it only changes the swarm (a centralized
-    run has no pending step)."""
-    settings = {k: v for k, v in (shape.get("overrides") or {}).items() if k != "optimizer.lookahead"}
+    ``centralized_nadam`` for the NAdam rows. Settings only a swarm has (``SWARM_ONLY``: the look-ahead, the wire
+    dtype) are left out, so such a row shares its seed's plain centralized arm."""
+    settings = {k: v for k, v in (shape.get("overrides") or {}).items() if k not in SWARM_ONLY}
     name = settings.get("optimizer.name")
     return (f"centralized_{name}" if name else "centralized"), settings
 

@@ -1,11 +1,12 @@
 """Gradient clipping by the global norm across stages, as a centralized run clips the whole model's gradient.
 
-No stage holds the whole gradient, so each stage publishes the squared norm of its (averaged) gradient for a step
-in the DHT and waits for the other stages' of the same step; every stage then scales by
-``min(1, clip / (global_norm + 1e-6))``, the factor ``torch.nn.utils.clip_grad_norm_`` applies to the whole model.
-A tied embedding counts once (the head's copy). A stage whose peers' norms do not all arrive within ``wait_s``
-(a stage stuck or far behind), or that misses a stage nobody serves, clips by its own norm, as before, and counts a
-fallback. Why: docs/AVERAGING.md
+No stage holds the whole gradient, so each stage publishes the norms of its (averaged) gradient for a step in the
+DHT (each tensor's fp32 norm, and their squared sum) and waits for the other stages' of the same step; every stage
+then scales by ``min(1, clip / (global_norm + 1e-6))``, the factor ``torch.nn.utils.clip_grad_norm_`` applies to
+the whole model, computed from the tensors' norms in the model's order by the same float32 operations, so that on
+the same device the factor is bit for bit the centralized one. A tied embedding counts once (the head's copy). A
+stage whose peers' norms do not all arrive within ``wait_s`` (a stage stuck or far behind), or that misses a stage
+nobody serves, clips by its own norm, as before, and counts a fallback. Why: docs/AVERAGING.md
 ("Global-norm clipping").
 """
 
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import Optional
+from typing import Any, Collection, Optional
 
 import torch
 
@@ -27,19 +28,60 @@ NORM_TTL_S = 120.0  # a step's norms are read within seconds; they expire on the
 POLL_S = 0.05
 EMPTY_CHECK_S = 0.5  # after this long (and as often), check whether a stage whose norm is missing has any peer
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+MAX_NORMS = 1 << 16  # tensors per stage a published list may hold (a stage of agora-8b has ~60)
 
 
 def gradnorm_key(run_id: str, step: int) -> str:
     return f"{run_id}_gradnorm{step}"
 
 
-def squared_norm(grads: list[torch.Tensor], skip: Optional[int] = None) -> float:
-    """Sum of squares of ``grads`` (float64 accumulation), leaving out ``grads[skip]``."""
-    return float(sum(g.double().pow(2).sum() for i, g in enumerate(grads) if i != skip))
-
-
 def clip_scale(total_squared_norm: float, clip: float) -> float:
+    """The clipping factor from a float64 squared norm (a stage's own, or stages' that sent no tensor norms)."""
     return min(1.0, clip / (math.sqrt(total_squared_norm) + EPS))
+
+
+def tensor_norms(grads: list[torch.Tensor], skip: Collection[int] = ()) -> list[float]:
+    """Each gradient's L2 norm, computed as ``torch.nn.utils.get_total_norm`` computes a tensor's (float32, the
+    dtype a step applies), leaving out the positions in ``skip``."""
+    return [float(torch.linalg.vector_norm(g.float(), 2.0)) for i, g in enumerate(grads) if i not in skip]
+
+
+def clip_scale_of_norms(norms: list[float], clip: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s factor from every tensor's norm, in the model's parameter order: the
+    same float32 operations on the same values, so the same bits (the order matters: a sum of floats rounds by it)."""
+    total = torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32), 2.0)
+    return float(torch.clamp(clip / (total + EPS), max=1.0))
+
+
+def checked_norms(value: Any, sq_norm: float) -> Optional[list[float]]:
+    """A published list of tensor norms if it is well-formed and adds up to the published squared norm."""
+    norms = value.get("norms") if isinstance(value, dict) else None
+    if not isinstance(norms, list) or len(norms) > MAX_NORMS:
+        return None
+    if not all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0 for n in norms):
+        return None
+    total = math.fsum(float(n) * float(n) for n in norms)
+    return [float(n) for n in norms] if math.isclose(total, sq_norm, rel_tol=1e-9, abs_tol=1e-30) else None
+
+
+def exact_norms(found: dict[str, Any], medians: dict[int, float], manifest_hash: str) -> Optional[list[float]]:
+    """Every stage's tensor norms in stage order, from a record of each stage whose squared norm is its stage's
+    median (the first by peer id: every reader picks the same), or None when a stage has no such record (its
+    replicas disagree, or a peer sent no list): the caller then uses the medians."""
+    out: list[float] = []
+    for stage in sorted(medians):
+        chosen = None
+        for peer in sorted(found):
+            value = found[peer]
+            if isinstance(value, dict) and value.get("manifest_hash") == manifest_hash \
+                    and value.get("stage") == stage and value.get("sq_norm") == medians[stage]:
+                chosen = checked_norms(value, medians[stage])
+                if chosen is not None:
+                    break
+        if chosen is None:
+            return None
+        out.extend(chosen)
+    return out
 
 
 class GlobalClip:
@@ -61,14 +103,19 @@ class GlobalClip:
         self.scaled_steps = 0  # of those, steps whose global norm was above the clip (gradients scaled down)
         self.fallbacks = 0  # steps clipped by this stage's own norm because other stages' norms were missing
 
-    async def scale(self, step: int, grads: list[torch.Tensor]) -> Optional[float]:
-        """The factor to scale this step's gradient by, or None to clip by this stage's own norm (fallback)."""
+    async def scale(self, step: int, grads: list[torch.Tensor], inactive: Collection[int] = ()) -> Optional[float]:
+        """The factor to scale this step's gradient by, or None to clip by this stage's own norm (fallback).
+        ``inactive``: positions of parameters a step leaves out (blocks the architecture warm-up bypasses: a
+        centralized run has no gradient for them, so they are not in its norm)."""
         c = self.ctx
-        own = await c.run_compute(squared_norm, grads, self.skip)
+        skip = set(inactive) | ({self.skip} if self.skip is not None else set())
+        norms = await c.run_compute(tensor_norms, grads, skip)
+        own = math.fsum(n * n for n in norms)
         if self.n_stages == 1:
-            return self._counted(clip_scale(own, self.clip))
+            return self._counted(clip_scale_of_norms(norms, self.clip) if math.isfinite(own)
+                                 else clip_scale(own, self.clip))
         key = gradnorm_key(c.manifest.run_id, step)
-        value = {"stage": c.stage_index, "sq_norm": own, "manifest_hash": c.manifest.hash}
+        value = {"stage": c.stage_index, "sq_norm": own, "norms": norms, "manifest_hash": c.manifest.hash}
         try:
             await c.run_io(announce, c.dht, key, c.peer_id, value, NORM_TTL_S)
         except Exception as err:  # noqa: BLE001 (the DHT is slow or down: clip by our own norm)
@@ -76,10 +123,13 @@ class GlobalClip:
         start = time.monotonic()
         next_check = start + EMPTY_CHECK_S
         while True:
-            norms = await self._read(key)
-            if len(norms) == self.n_stages:
-                return self._counted(clip_scale(sum(norms.values()), self.clip))
-            missing = sorted(set(range(self.n_stages)) - set(norms))
+            found = await self._found(key)
+            medians = self._medians(found)
+            if len(medians) == self.n_stages:
+                exact = exact_norms(found, medians, c.manifest.hash)
+                return self._counted(clip_scale_of_norms(exact, self.clip) if exact is not None
+                                     else clip_scale(sum(medians.values()), self.clip))
+            missing = sorted(set(range(self.n_stages)) - set(medians))
             now = time.monotonic()
             if now > start + self.wait_s:
                 return self._fallback(step, f"no gradient norm of stage(s) {missing} within {self.wait_s:g}s")
@@ -95,8 +145,8 @@ class GlobalClip:
         whole batch and averaged it (``ReplicaSync._left_behind`` uses it to tell lost samples from slow ones)."""
         if self.n_stages == 1:
             return False
-        norms = await self._read(gradnorm_key(self.ctx.manifest.run_id, step))
-        return set(range(self.n_stages)) - {self.ctx.stage_index} <= set(norms)
+        medians = self._medians(await self._found(gradnorm_key(self.ctx.manifest.run_id, step)))
+        return set(range(self.n_stages)) - {self.ctx.stage_index} <= set(medians)
 
     def _fallback(self, step: int, why: str) -> None:
         self.fallbacks += 1
@@ -120,12 +170,15 @@ class GlobalClip:
         self.scaled_steps += scale < 1.0
         return scale
 
-    async def _read(self, key: str) -> dict[int, float]:
-        """{stage: squared norm} from the records of ``key``; replicas of a stage that disagree (one stepped
-        without averaging) are summarised by their median, so one replica cannot set its stage's norm alone."""
+    async def _found(self, key: str) -> dict[str, Any]:
+        """The records of ``key`` by peer id (empty on a slow read: the caller tries again until its deadline)."""
         c = self.ctx
         try:
-            found = await c.run_io(read_subkeys, c.dht, key)
+            return await c.run_io(read_subkeys, c.dht, key)
         except Exception:  # noqa: BLE001 (a slow read: try again until the deadline)
             return {}
-        return stage_medians(found, c.manifest.hash, self.n_stages, "sq_norm", minimum=0.0)
+
+    def _medians(self, found: dict[str, Any]) -> dict[int, float]:
+        """{stage: squared norm}; replicas of a stage that disagree (one stepped without averaging) are summarised
+        by their median, so one replica cannot set its stage's norm alone."""
+        return stage_medians(found, self.ctx.manifest.hash, self.n_stages, "sq_norm", minimum=0.0)

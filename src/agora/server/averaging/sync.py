@@ -932,7 +932,9 @@ class ReplicaSync:
         if self.tied is not None:  # the other end's gradient of a tied embedding joins ours
             averaged = await self.tied.offer_and_fetch(rt.step, averaged)
         t_averaged = time.monotonic()
-        scale = await self.clipper.scale(rt.step, averaged)  # the global-norm clipping factor (None: our own)
+        inactive = {id(p) for p in rt.stage.inactive_parameters()}  # bypassed blocks: no gradient, no norm
+        positions = [i for i, p in enumerate(rt.stage.parameters()) if id(p) in inactive]
+        scale = await self.clipper.scale(rt.step, averaged, positions)  # the global clipping factor (None: our own)
         hold = await self.warmup_brake.hold(rt.step)
         t_clipped = time.monotonic()
 
