@@ -28,7 +28,10 @@ NORM_TTL_S = 120.0  # a step's norms are read within seconds; they expire on the
 POLL_S = 0.05
 EMPTY_CHECK_S = 0.5  # after this long (and as often), check whether a stage whose norm is missing has any peer
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
-MAX_NORMS = 1 << 16  # tensors per stage a published list may hold (a stage of agora-8b has ~60)
+# Tensor norms a stage publishes at most: 9 bytes each in a record limited to MAX_VALUE_BYTES (8 KiB, signature and
+# certificate included). A stage of agora-8b has ~60 tensors; a stage with more publishes only its squared norm,
+# and every stage then computes the factor from the float64 squared norms (the same factor to ~1e-7).
+MAX_NORMS = 512
 
 
 def gradnorm_key(run_id: str, step: int) -> str:
@@ -115,7 +118,9 @@ class GlobalClip:
             return self._counted(clip_scale_of_norms(norms, self.clip) if math.isfinite(own)
                                  else clip_scale(own, self.clip))
         key = gradnorm_key(c.manifest.run_id, step)
-        value = {"stage": c.stage_index, "sq_norm": own, "norms": norms, "manifest_hash": c.manifest.hash}
+        value = {"stage": c.stage_index, "sq_norm": own, "manifest_hash": c.manifest.hash}
+        if len(norms) <= MAX_NORMS:
+            value["norms"] = norms
         try:
             await c.run_io(announce, c.dht, key, c.peer_id, value, NORM_TTL_S)
         except Exception as err:  # noqa: BLE001 (the DHT is slow or down: clip by our own norm)
