@@ -7,7 +7,8 @@ rows add one source of difference at a time to ``serial``, then all together:
   serial          one replica per stage, one microbatch in flight, ``batch.overlap_rounds`` off: centralized
                   training (whose arm streams the same shard in the same order) split into stages, with the preset's
                   wire dtype at the boundaries (``small``: bf16 coordinates and gradients, which centralized lacks)
-  serial_fp32_wire  ``serial`` with an fp32 wire: the very computation of the centralized arm, bit for bit
+  serial_fp32_wire  ``serial`` with an fp32 wire: no wire rounding. Not bit for bit centralized even so: the
+                  boundary's projections (x U, then c U^T) round differently from the unsplit residual stream
   overlap         ``serial`` with rounds overlapping the next step's forwards (their weights one step old)
   in_flight       ``serial`` with ``in_flight`` microbatches in flight (pipelining within a step)
   replicas        ``serial`` with ``replicas`` per stage, full averaging
