@@ -1,5 +1,5 @@
 import sys, asyncio, hashlib, torch
-sys.path.insert(0, "/work/dev/tests")
+sys.path.insert(0, "tests")  # run from the repository root
 from swarm_util import local_swarm, wait_until
 from agora.client.trainer import Trainer
 from agora.config import load_manifest
