@@ -387,9 +387,9 @@ def bench_convergence(
     stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=2),
     in_flight: int = typer.Option(4, min=2, help="microbatches in flight in the pipelined rows"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; every row runs once per seed"),
-    rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, serial_fp32_wire, overlap, in_flight, "
-                                                  "replicas, "
-                                                  "powersgd, powersgd_no_dense, powersgd_cold, sparse, diloco, gossip, "
+    rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, serial_fp32_wire, overlap, "
+                                                  "in_flight, replicas, powersgd, powersgd_no_dense, "
+                                                  "powersgd_cold, sparse, diloco, gossip, "
                                                   "in_flight_overlap, replicas_overlap, all, all_no_overlap, "
                                                   "all_overlap, all_capped, all_capped_no_overlap, "
                                                   "all_capped_overlap, upm, upm_5s, nadam, "

@@ -61,9 +61,9 @@ from agora.lab.train_local import train_local
 
 # Not a swarm: the centralized arm again with its gradient sums reordered, for the float noise floor of a ratio.
 NOISE_ROW = "centralized_reordered"
-ROWS = ("serial", "serial_fp32_wire", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense", "powersgd_cold", "sparse",
-        "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all", "all_no_overlap", "all_overlap",
-        "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam", "nadam_lookahead",
+ROWS = ("serial", "serial_fp32_wire", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense",
+        "powersgd_cold", "sparse", "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all", "all_no_overlap",
+        "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam", "nadam_lookahead",
         "nadam_no_overlap", NOISE_ROW)
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
@@ -73,8 +73,8 @@ OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead"
 OVERRIDES = {"serial_fp32_wire": {"residual.wire_dtype": "fp32"}}
 SWARM_ONLY = ("optimizer.lookahead", "residual.wire_dtype")
 # The targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
-TARGETS = {"serial": 1.001, "serial_fp32_wire": 1.001, "all": 1.02, "all_no_overlap": 1.02, "all_overlap": 1.02, "powersgd": 1.03,
-           "powersgd_no_dense": 1.03, "powersgd_cold": 1.03, "sparse": 1.03}
+TARGETS = {"serial": 1.001, "serial_fp32_wire": 1.001, "all": 1.02, "all_no_overlap": 1.02, "all_overlap": 1.02,
+           "powersgd": 1.03, "powersgd_no_dense": 1.03, "powersgd_cold": 1.03, "sparse": 1.03}
 SWARM_TIMEOUT_S = 7200
 
 

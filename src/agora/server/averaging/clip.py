@@ -4,10 +4,10 @@ No stage holds the whole gradient, so each stage publishes the norms of its (ave
 DHT (each tensor's fp32 norm, and their squared sum) and waits for the other stages' of the same step; every stage
 then scales by ``min(1, clip / (global_norm + 1e-6))``, the factor ``torch.nn.utils.clip_grad_norm_`` applies to
 the whole model, computed from the tensors' norms in the model's order by the same float32 operations, so that
-from the same gradients the factor is bit for bit the centralized one. A tied embedding counts once (the head's copy). A
-stage whose peers' norms do not all arrive within ``wait_s`` (a stage stuck or far behind), or that misses a stage
-nobody serves, clips by its own norm, as before, and counts a fallback. Why: docs/AVERAGING.md
-("Global-norm clipping").
+from the same gradients the factor is bit for bit the centralized one. A tied embedding counts once (the head's
+copy). A stage whose peers' norms do not all arrive within ``wait_s`` (a stage stuck or far behind), or that misses
+a stage nobody serves, clips by its own norm, as before, and counts a fallback. Why: docs/AVERAGING.md ("Global-norm
+clipping").
 """
 
 from __future__ import annotations
