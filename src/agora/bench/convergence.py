@@ -63,8 +63,8 @@ from agora.lab.train_local import train_local
 NOISE_ROW = "centralized_reordered"
 ROWS = ("serial", "serial_fp32_wire", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense",
         "powersgd_cold", "sparse", "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all", "all_no_overlap",
-        "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam", "nadam_lookahead",
-        "nadam_no_overlap", NOISE_ROW)
+        "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam",
+        "nadam_lookahead", "nadam_no_overlap", NOISE_ROW)
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
