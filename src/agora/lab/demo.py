@@ -340,15 +340,16 @@ class DemoRun:
             last_read = time.time()
             self._observe(snap, view)
             self.cpu.tick()
-            if opts.stop.reached(snap, time.time() - training_since):
+            finished_at = self._trainers_finished()
+            if opts.stop.reached(snap, time.time() - training_since) or finished_at is not None:
                 if opts.stop.exact_tokens and opts.stop.tokens:
                     self.cpu.mark()
-                    self.settled = self._wait_settled(snap, deadline)
+                    self.settled = self._wait_settled(snap, deadline, finished_at or 0.0)
                 self.cpu.end()  # before anything stops
                 if self.settled:
                     self._show_settled(view)
                 return True
-            dead = [c for c in self.swarm.trainers() if not c.alive]
+            dead = [c for c in self.swarm.trainers() if not c.alive and self._trained_share(c) is None]
             if dead:
                 raise RuntimeError(f"trainer {dead[0].name} exited early; see {dead[0].log}")
             self.thaw()
@@ -361,12 +362,32 @@ class DemoRun:
             time.sleep(1.0)
         return False
 
-    def _wait_settled(self, snap: dict, deadline: float) -> bool:
+    def _trained_share(self, child) -> Optional[float]:
+        """When a trainer that exited on its own had trained all of its ``max_tokens`` (exact-token runs), from its
+        summary; None if it did not, or is still running."""
+        if child.alive or child.proc.returncode != 0:
+            return None
+        summary = child.current() or {}
+        quota, tokens = summary.get("max_tokens"), summary.get("tokens")
+        if not isinstance(quota, int) or not isinstance(tokens, int) or tokens < quota:
+            return None
+        return float(summary.get("started_at") or 0.0) + float(summary.get("wall_s") or 0.0)
+
+    def _trainers_finished(self) -> Optional[float]:
+        """In an exact-token run, when the last trainer finished if every one exited after training its share (its
+        last count may never have reached the DHT the status is read from: a store is not waited for at exit)."""
+        if not (self.options.stop.exact_tokens and self.options.stop.tokens):
+            return None
+        ends = [self._trained_share(c) for c in self.swarm.trainers()]
+        return max(ends) if ends and all(e is not None for e in ends) else None
+
+    def _wait_settled(self, snap: dict, deadline: float, finished_at: float = 0.0) -> bool:
         """Until the stages have applied every sample the trainers sent (two reads in a row, see
-        :func:`agora.net.records.stages_settled`); False after ``SETTLE_TIMEOUT_S`` or the demo's ``deadline``."""
+        :func:`agora.net.records.stages_settled`); False after ``SETTLE_TIMEOUT_S`` or the demo's ``deadline``.
+        ``finished_at``: when the trainers finished, if the status read last did not show it."""
         from agora.net.records import read_swarm, stages_settled
 
-        since = max((float(t.get("updated", 0.0)) for t in snap["trainers"]), default=0.0)
+        since = max([float(t.get("updated", 0.0)) for t in snap["trainers"]] + [finished_at])
         give_up = min(deadline, time.time() + SETTLE_TIMEOUT_S)
         in_a_row = 0
         while time.time() < give_up:
