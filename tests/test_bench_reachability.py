@@ -54,3 +54,31 @@ def test_tiny_swarm_with_a_firewalled_head_against_an_open_one(tmp_path):
     written = json.loads((tmp_path / "result.json").read_text())
     assert written["benchmark"] == "reachability"
     assert "Firewalled over open" in (tmp_path / "result.md").read_text()
+
+
+def test_a_trainer_that_trained_its_whole_share_and_left_is_not_an_early_exit(tmp_path):
+    """In an exact-token run a trainer exits after training its share. If the status the demo read last from the
+    DHT did not show its final count yet (a store is not waited for at exit: CI, 2026-12-05, under a 50 Mbit/s
+    namespace cap), it is still done, not "exited early"; training ends once every trainer is, and the stages'
+    settle wait counts from when the last one finished."""
+    import types
+
+    from agora.lab.demo import DemoOptions, DemoRun, StopRule, SwarmShape
+
+    run = DemoRun(DemoOptions(out=tmp_path, shape=SwarmShape(preset="tiny", stages=2),
+                              stop=StopRule(steps=2, exact_tokens=True), live=False))
+
+    def child(alive: bool, code, summary: dict):
+        return types.SimpleNamespace(alive=alive, proc=types.SimpleNamespace(returncode=code),
+                                     current=lambda: summary)
+
+    done = child(False, 0, {"tokens": 1024, "max_tokens": 1024, "started_at": 100.0, "wall_s": 20.0})
+    short = child(False, 0, {"tokens": 512, "max_tokens": 1024, "started_at": 100.0, "wall_s": 9.0})
+    crashed = child(False, 1, {"tokens": 1024, "max_tokens": 1024, "started_at": 100.0, "wall_s": 5.0})
+    running = child(True, None, {"tokens": 512, "max_tokens": 1024})
+    assert run._trained_share(done) == 120.0
+    assert run._trained_share(short) is None and run._trained_share(crashed) is None
+    assert run._trained_share(running) is None
+    for trainers, finished in (([done], 120.0), ([done, running], None), ([done, short], None), ([], None)):
+        run.swarm = types.SimpleNamespace(trainers=lambda t=trainers: t)
+        assert run._trainers_finished() == finished, trainers
