@@ -30,7 +30,7 @@ EMPTY_CHECK_S = 0.5  # after this long (and as often), check whether a stage who
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 # Tensor norms a stage publishes at most: 9 bytes each in a record limited to MAX_VALUE_BYTES (8 KiB, signature and
 # certificate included). A stage of agora-8b has ~60 tensors; a stage with more publishes only its squared norm,
-# and every stage then computes the factor from the float64 squared norms (the same factor to ~1e-7).
+# and every stage then computes the factor from the float64 squared norms (the same factor up to float rounding).
 MAX_NORMS = 512
 
 
