@@ -45,10 +45,11 @@ def test_a_dense_rotation_larger_than_the_request_budget_reaches_the_next_stage(
     assert [d[:2] for d in tail["due"]] == [[0, 1]], tail
 
 
-def test_a_stuck_transfer_never_holds_the_push_loop_and_a_newer_frame_cancels_it(monkeypatch):
+def test_a_stuck_transfer_never_holds_the_push_loop_nor_gets_a_later_frame_in_parallel(monkeypatch):
     """``Rotations._push`` starts one task per peer and returns: a peer that never answers (frozen, or a slow link
-    carrying a large dense rotation) neither delays the others nor gets a second copy in parallel; the next frame of
-    the boundary cancels the old transfer."""
+    carrying a large dense rotation) neither delays the others nor gets a second copy in parallel, nor the next frame
+    of the boundary before it acknowledged this one (it would refuse it: ``not_ready``). Leaving the relay window
+    (``tests/test_upm_relay.py``) cancels the transfer."""
     import torch
 
     from agora.net.records import PeerState, StageRecord
@@ -92,10 +93,13 @@ def test_a_stuck_transfer_never_holds_the_push_loop_and_a_newer_frame_cancels_it
         await rotations._push(first)
         await asyncio.sleep(0.1)
         assert sorted(calls) == [("fast", 1), ("slow", 1)], calls
-        await rotations._push(upm.Rotation(0, 2, 9, r, "me"))  # the next frame: the old transfer is moot
+        await rotations._push(upm.Rotation(0, 2, 9, r, "me"))  # the next frame: to the peer that has the first
         await asyncio.sleep(0.1)
-        assert cancelled == [1] and (0, 1) not in rotations._pushes
-        assert sorted(calls) == [("fast", 1), ("fast", 2), ("slow", 1), ("slow", 2)], calls
-        rotations._pushes[(0, 2)].cancel()
+        assert sorted(calls) == [("fast", 1), ("fast", 2), ("slow", 1)], calls
+        assert cancelled == [] and set(rotations._pushes[(0, 1)].sending) == {"slow"}
+        for pushes in rotations._pushes.values():
+            pushes.cancel()
+        await asyncio.sleep(0.1)
+        assert cancelled == [1]
 
     asyncio.run(main())

@@ -36,6 +36,10 @@ from agora.net.transport import RpcError
 logger = logging.getLogger("agora.upm")
 
 HISTORY = 8  # rotations of the input boundary kept for converting late messages and stale gradients
+# Applied rotations of each boundary a holder keeps sending to replicas that have not acknowledged them: a replica
+# of the other stage that missed one (the drawer's view of its stage was empty or stale when it drew) still gets it,
+# late, instead of refusing every message of the new frame with ``frame_unknown`` for good.
+RELAY_EPOCHS = 2
 FRAME_EPOCHS = "frame/epochs"  # [input epoch, output epoch] in a stage's state (downloads, checkpoints)
 PUSH_EVERY_S = 1.0  # how often a holder of an unacknowledged rotation sends it again to a peer
 # How old the stage records the protocol decides from may be. DHT reads cost CPU in every DHT peer they touch: read
@@ -95,6 +99,9 @@ class FrameLedger:
         self.r_in: dict[int, Tensor] = {}  # input rotations by epoch (applied or due): conversions between epochs
         self.gains_in: dict[int, dict[str, Tensor]] = {}  # gains each applied input rotation folded
         self.due: dict[tuple[int, int], Rotation] = {}  # (boundary, epoch) -> accepted, not applied yet
+        # (boundary, epoch) -> the due rotations and the last ``RELAY_EPOCHS`` applied ones of each boundary: what
+        # this replica sends on to the replicas of both stages (``relayable``)
+        self.known: dict[tuple[int, int], Rotation] = {}
         self.applied = 0
         self.late = 0  # rotations applied after their step had passed (the replica is then repaired by a download)
         enable_frames(stage, moments=moments)
@@ -129,13 +136,22 @@ class FrameLedger:
             # from the drawer or from a relay, then applies exactly the same matrix.
             drift = orthogonality_error(rot.r)
             r = rot.r.clone() if drift <= 1e-12 else reorthogonalize(rot.r)
-            self.due[key] = Rotation(rot.boundary, rot.epoch, int(rot.apply_step), r, rot.drawer)
+            self.due[key] = self.known[key] = Rotation(rot.boundary, rot.epoch, int(rot.apply_step), r, rot.drawer)
             if rot.boundary == self.index - 1:
                 self.r_in[rot.epoch] = r
         return "accepted"
 
     def pending(self) -> list[Rotation]:
         return sorted(self.due.values(), key=lambda r: (r.boundary, r.epoch))
+
+    def relayable(self) -> list[Rotation]:
+        """The rotations this replica sends on: every due one and the last ``RELAY_EPOCHS`` applied ones of each
+        boundary, by boundary and epoch."""
+        return sorted(self.known.values(), key=lambda r: (r.boundary, r.epoch))
+
+    def _trim_known(self) -> None:
+        self.known = {k: r for k, r in self.known.items()
+                      if r.boundary in self.sides() and r.epoch > self.epoch_of(r.boundary) - RELAY_EPOCHS}
 
     # ------------------------------------------------------------------ applying them (after an optimizer step)
     def apply_due(self, step: int, grads: dict[str, Optional[Tensor]]) -> dict[str, Optional[Tensor]]:
@@ -166,6 +182,7 @@ class FrameLedger:
         for table in (self.r_in, self.gains_in):
             for e in [e for e in table if e < self.epoch_in - HISTORY]:
                 del table[e]
+        self._trim_known()
         return grads
 
     # ------------------------------------------------------------------ messages and gradients of other epochs
@@ -223,6 +240,7 @@ class FrameLedger:
         self.gains_in.clear()
         self.r_in = {e: r for e, r in self.r_in.items() if e > e_in}
         self.due = {k: r for k, r in self.due.items() if r.epoch > self.epoch_of(r.boundary)}
+        self._trim_known()
 
     def summary(self) -> dict:
         return {"epoch_in": self.epoch_in, "epoch_out": self.epoch_out, "applied": self.applied, "late": self.late,
@@ -343,7 +361,11 @@ class Rotations:
         ledger = h.ledger()
         if ledger is None or not h.is_serving():
             return
-        for rot in ledger.pending():
+        relayable = ledger.relayable()
+        held = {(r.boundary, r.epoch) for r in relayable}
+        for key in [k for k in self._pushes if k not in held]:
+            self._pushes.pop(key).cancel()  # out of the relay window (or replaced by a state import): moot
+        for rot in relayable:
             await self._push(rot)
         stage = h.stage()
         if stage in ledger.sides():  # stage b draws for boundary b (its output)
@@ -360,7 +382,10 @@ class Rotations:
         serving = sorted({r.peer_id for r in mine if r.state == PeerState.SERVING.value} | {h.peer_id})
         if serving[0] != h.peer_id:
             return  # the lowest serving peer id draws; the others wait for its rotation
-        both = mine + await self._replicas(boundary + 1)
+        # Fresh views of both stages (one read per draw): a replica missing from a stale view would get R only
+        # from the relays, possibly after the step it applies at.
+        mine = await self._replicas(boundary, max_age=1.0)
+        both = mine + await self._replicas(boundary + 1, max_age=1.0)
         step = max([h.step(), *(r.step for r in both)])
         gen = torch.Generator().manual_seed(secrets.randbits(63))
         rot = Rotation(boundary, ledger.epoch_of(boundary) + 1, step + self.config.lead_steps,
@@ -377,16 +402,19 @@ class Rotations:
     async def _push(self, rot: Rotation) -> None:
         """Start sending ``rot`` to every replica of stages b and b+1 that has not acknowledged it and is not being
         sent it now (at most every ``PUSH_EVERY_S`` per peer). Each transfer runs as a task of its own: a large
-        dense rotation to a slow or frozen peer never holds the protocol's tick (other boundaries, other peers)."""
+        dense rotation to a slow or frozen peer never holds the protocol's tick (other boundaries, other peers).
+        Applied rotations are still sent (``FrameLedger.relayable``) until they leave the relay window."""
         h, m = self.hooks, self.manifest
         state = self._pushes.setdefault((rot.boundary, rot.epoch), _Pushes())
-        for key in [k for k in self._pushes if k[0] == rot.boundary and k[1] < rot.epoch]:
-            self._pushes.pop(key).cancel()  # an older frame of this boundary: its transfers are moot
         now = time.monotonic()
         targets = [r.peer_id for s in (rot.boundary, rot.boundary + 1) for r in await self._replicas(s)
                    if r.peer_id != h.peer_id and r.state in (PeerState.SERVING.value, PeerState.SYNCING.value)]
+        # One frame at a time per peer, the earliest first: a receiver refuses a frame beyond its next one
+        # (``not_ready``), so a later frame sent before the earlier one is acknowledged would be a wasted transfer.
+        earlier = [st for (b, e), st in self._pushes.items() if b == rot.boundary and e < rot.epoch]
         targets = [p for p in targets if p not in state.acked and p not in state.sending
-                   and now - state.last_sent.get(p, 0.0) >= PUSH_EVERY_S]
+                   and now - state.last_sent.get(p, 0.0) >= PUSH_EVERY_S
+                   and all(p in st.acked for st in earlier)]
         meta = {"run_id": m.run_id, "manifest_hash": m.hash, "boundary": rot.boundary, "epoch": rot.epoch,
                 "apply_step": rot.apply_step, "drawer": rot.drawer}
         timeout = push_timeout_s(rot.r.numel() * rot.r.element_size())
@@ -412,8 +440,13 @@ class Rotations:
                 state.sending.pop(peer, None)
                 state.last_sent[peer] = time.monotonic()  # the next try waits PUSH_EVERY_S after this one ended
             self.sent += 1
-            if isinstance(reply, dict) and reply.get("verdict") in ("accepted", "applied"):
+            verdict = reply.get("verdict") if isinstance(reply, dict) else None
+            if verdict in ("accepted", "applied"):
                 state.acked.add(peer)
+            if verdict == "applied":  # it is at this frame or past it: it holds every earlier one too
+                for (b, e), other in self._pushes.items():
+                    if b == rot.boundary and e < rot.epoch:
+                        other.acked.add(peer)
 
         for peer in targets:
             state.sending[peer] = asyncio.create_task(send(peer), name=f"upm-push-{rot.boundary}-{rot.epoch}")
