@@ -14,10 +14,15 @@ def test_the_serial_swarm_matches_centralized_and_every_stage_steps_once_per_bat
     result = run(tmp_path, opts, log=lambda _: None)
     rows = result["rows"]
     # The NAdam row is compared with a centralized NAdam run of the same seed, not with AdamW's.
-    assert list(rows) == ["centralized", "serial", "all", "centralized_nadam", "nadam_lookahead"]
+    assert list(rows) == ["centralized", "centralized_wire_fp32", "serial", "all", "centralized_nadam",
+                          "nadam_lookahead"]
     # One replica per stage and one microbatch in flight, on the centralized run's shard in its order: the same
-    # computation, so the same validation loss up to float rounding.
+    # computation, so the same validation loss up to float rounding; and bit for bit the centralized run whose
+    # boundaries round as the swarm's do (the projection onto the subspace and back).
     assert abs(rows["serial"]["loss_ratio"]["median"] - 1.0) < 1e-4, rows["serial"]
+    assert rows["serial"]["same_rounding_ratio"]["median"] == 1.0, rows["serial"]
+    assert rows["all"]["same_rounding_ratio"] is None
+    assert abs(rows["centralized_wire_fp32"]["loss_ratio"]["median"] - 1.0) < 1e-4
     assert rows["serial"]["met"] is True
     # Replicas and pipelining: every stage still took one step per target batch (no batch overshoot).
     for name in ("serial", "all", "nadam_lookahead"):

@@ -5,6 +5,8 @@ optimizer, the same global-norm clipping across stages): with ``tiny``'s fp32 wi
 30 steps (measured: 0 or 3e-8). Not bit for bit: the boundary's projections onto the subspace (x U, then c U^T)
 round differently from the unsplit model's residual stream, so gradients differ in their last bits (on ``small``
 from the first step). A bf16 wire (``small``'s) also rounds every boundary: 4e-7 at the first step, 2e-6 after.
+``train-local`` with the swarm's boundaries (``wire_boundaries``: projection, wire rounding both ways, rebuild) is
+the swarm's computation bit for bit, in either wire dtype.
 Two replicas per stage split each target batch and average it: equal up to the order of float sums.
 """
 
@@ -28,8 +30,9 @@ from swarm_util import local_swarm, random_batches, wait_until
 MAN = load_manifest("tiny")
 
 
-def _swarm_losses(layout: list[int], steps: int) -> tuple[list[float], list]:
+def _swarm_losses(layout: list[int], steps: int, man=MAN) -> tuple[list[float], list]:
     """Per-step mean training loss of a swarm fed ``train-local``'s batches in its order, one microbatch at a time."""
+    MAN = man
     torch.manual_seed(MAN.seed)
     train, _, _ = build_datasets(MAN)
     accum = MAN.batch.target_batch_size // MAN.batch.microbatch_size
@@ -57,15 +60,29 @@ def _swarm_losses(layout: list[int], steps: int) -> tuple[list[float], list]:
 def test_one_replica_per_stage_matches_train_local_for_30_steps():
     steps = 30
     local = train_local(MAN, steps, val_batches=1)["train_loss"]
+    same_rounding = train_local(MAN, steps, val_batches=1, wire_boundaries=True)["train_loss"]
     swarm, clipping = _swarm_losses([0, 1], steps)
     rel = [abs(a - b) / abs(b) for a, b in zip(swarm, local)]
     assert MAN.residual.wire_dtype == "fp32"
     assert len(swarm) == steps and max(rel) < 1e-6, list(zip(swarm, local))
+    assert swarm == same_rounding, [(i, a, b) for i, (a, b) in enumerate(zip(swarm, same_rounding)) if a != b]
     assert local[-1] < local[0] - 0.5  # it learned: this is not the comparison of two flat lines
     # Every step of both stages was clipped by the global norm, and the clip was active (tiny's grad_clip is 1.0,
     # hit in the first steps): clipping by each stage's own norm made the losses differ by 4e-4 after 10 steps.
     for global_steps, scaled, fallbacks in clipping:
         assert global_steps == steps and fallbacks == 0 and scaled >= 1, clipping
+
+
+def test_with_a_bf16_wire_the_swarm_is_train_local_with_the_same_boundary_rounding_bit_for_bit():
+    """A bf16 wire rounds the coordinates forward and their gradient backward; ``wire_boundaries`` rounds the same
+    tensors at the same places, so the losses are equal, while the unsplit model is 1e-6 away."""
+    man = MAN.with_overrides(**{"residual.wire_dtype": "bf16"})
+    steps = 8
+    plain = train_local(man, steps, val_batches=1)["train_loss"]
+    same_rounding = train_local(man, steps, val_batches=1, wire_boundaries=True)["train_loss"]
+    swarm, _ = _swarm_losses([0, 1], steps, man)
+    assert swarm == same_rounding, [(i, a, b) for i, (a, b) in enumerate(zip(swarm, same_rounding)) if a != b]
+    assert swarm != plain and max(abs(a - b) / b for a, b in zip(swarm, plain)) < 1e-5
 
 
 def test_two_replicas_per_stage_stay_within_1e_3_of_train_local():

@@ -85,3 +85,24 @@ def test_reversed_accumulation_is_the_same_sum_rounded_differently():
     assert reordered["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-4)
     differences = [float((x - y).abs().max()) for x, y in zip(a.parameters(), b.parameters())]
     assert 0 < max(differences) < 1e-4, max(differences)
+
+
+def test_wire_boundaries_round_each_boundary_as_a_swarm_and_the_cli_passes_the_switch(tmp_path):
+    """``--wire-boundaries``: the same function, rounded at the boundaries (``small``'s bf16 wire): the losses move
+    by float rounding only, and the summary says which baseline it is. (Bit for bit a swarm's computation:
+    ``tests/test_convergence_parity.py``.)"""
+    import json
+
+    from typer.testing import CliRunner
+
+    from agora.cli import app
+
+    man = load_manifest("tiny").with_overrides(**{"residual.wire_dtype": "bf16"})
+    plain = train_local(man, 3, val_batches=1)
+    rounded = train_local(man, 3, val_batches=1, wire_boundaries=True)
+    assert rounded["wire_boundaries"] and not plain["wire_boundaries"]
+    assert rounded["train_loss"] != plain["train_loss"]
+    assert max(abs(a - b) / b for a, b in zip(rounded["train_loss"], plain["train_loss"])) < 1e-4
+    res = CliRunner().invoke(app, ["train-local", "--steps", "2", "--wire-boundaries", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "summary.json").read_text())["wire_boundaries"] is True

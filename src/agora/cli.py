@@ -168,6 +168,9 @@ def train_local_cmd(
     checkpoint_blocks: bool = typer.Option(False, help="per-block activation checkpointing (same gradients, less "
                                                        "memory)"),
     optimizer_kernel: str = typer.Option("auto", help=OPTIMIZER_KERNEL_HELP),
+    wire_boundaries: bool = typer.Option(False, help="round every stage boundary as a swarm does (the projection "
+                                                     "onto the subspace and residual.wire_dtype, both ways): with "
+                                                     "--shard 0/1, what a one-replica swarm computes, bit for bit"),
 ) -> None:
     """Centralized baseline: train the whole model in this process; writes summary.json, loss.png, report.html."""
     import torch
@@ -204,7 +207,8 @@ def train_local_cmd(
         try:
             summary = train_local(m, steps, out, eval_every=eval_every, threads=threads, on_step=on_step,
                                   shard=data_shard, device=str(dev), precision=precision,
-                                  checkpoint_blocks=checkpoint_blocks, optimizer_kernel=optimizer_kernel)
+                                  checkpoint_blocks=checkpoint_blocks, optimizer_kernel=optimizer_kernel,
+                                  wire_boundaries=wire_boundaries)
         except torch.OutOfMemoryError as err:
             console.print(f"[red]error:[/red] out of memory on {dev}: {escape(str(err).splitlines()[0])}; try "
                           f"--precision bf16, --checkpoint-blocks or a smaller batch.microbatch_size")

@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from agora.config import Manifest, ModelShape
+from agora.wire import across_boundary
 
 # --------------------------------------------------------------------------- seeded, split-independent init
 
@@ -626,12 +627,16 @@ def build_stages(manifest: Manifest) -> list[Stage]:
 class PipelineModel(nn.Module):
     """All stages in one process: the centralized baseline and the reference for split-equivalence tests.
 
-    Runs the stages back to back on the raw residual stream (no compression), i.e. the unsplit model.
+    Runs the stages back to back on the raw residual stream (no compression), i.e. the unsplit model. With
+    ``wire_boundaries`` each boundary goes through what a swarm does there instead (``wire.across_boundary``: the
+    projection onto the subspace, the wire dtype's rounding both ways, the rebuild): the same function in exact
+    arithmetic, rounded as a one-replica swarm rounds it.
     """
 
-    def __init__(self, manifest: Manifest):
+    def __init__(self, manifest: Manifest, wire_boundaries: bool = False):
         super().__init__()
         self.manifest = manifest
+        self.wire_boundaries = wire_boundaries
         self.stages = nn.ModuleList(build_stages(manifest))
         head, tail = self.stages[0], self.stages[-1]
         if manifest.model.tie_embeddings and head is not tail:
@@ -640,16 +645,20 @@ class PipelineModel(nn.Module):
             tail.lm_head.weight = head.embed_tokens.weight
 
     def forward(self, tokens: Tensor) -> Tensor:
-        x = tokens
-        for stage in self.stages:
-            x = stage(x)
-        return self.stages[-1].logits(x)
+        return self.stages[-1].logits(self._residual(tokens))
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        return self.stages[-1].loss(self._residual(tokens), targets)
+
+    def _residual(self, tokens: Tensor) -> Tensor:
+        """The residual stream after the last stage's blocks."""
         x = tokens
-        for stage in self.stages:
+        for i, stage in enumerate(self.stages):
+            if self.wire_boundaries and i > 0:
+                basis = stage.basis if self.manifest.residual.mode == "subspace" else None
+                x = across_boundary(x, tokens, basis, stage.frozen_embed, self.manifest.residual.wire_dtype)
             x = stage(x)
-        return self.stages[-1].loss(x, targets)
+        return x
 
     def grow_for_step(self, step: int) -> list[str]:
         """Architecture warm-up: activate the blocks due after ``step`` optimizer steps and move the joined blocks'

@@ -72,6 +72,10 @@ OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead"
 # such a row is compared with the centralized arm without them.
 OVERRIDES = {"serial_fp32_wire": {"residual.wire_dtype": "fp32"}}
 SWARM_ONLY = ("optimizer.lookahead", "residual.wire_dtype")
+# Rows that compute exactly what a centralized run does but for the boundaries' rounding (one replica, one in flight):
+# each is also compared with the centralized arm whose stages round their boundaries as the swarm's do
+# (``train_local(wire_boundaries=True)``), which it equals bit for bit when nothing else differs.
+SAME_ROUNDING = ("serial", "serial_fp32_wire")
 # The issue's targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged).
 TARGETS = {"serial": 1.001, "serial_fp32_wire": 1.001, "all": 1.02, "all_no_overlap": 1.02, "all_overlap": 1.02,
            "powersgd": 1.03, "powersgd_no_dense": 1.03, "powersgd_cold": 1.03, "sparse": 1.03}
@@ -180,9 +184,19 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
             if key not in centrals:
                 centrals[key] = _centralized(folder, opts, seed, arm, settings, log)
                 runs.append(centrals[key]["run"])
+            same = None
+            if name in SAME_ROUNDING:
+                wire = _wire_dtype(opts, shape)
+                wkey = ("wire_boundaries", wire)
+                if wkey not in centrals:
+                    centrals[wkey] = _centralized(folder, opts, seed, f"centralized_wire_{wire}",
+                                                  {**settings, "residual.wire_dtype": wire}, log,
+                                                  wire_boundaries=True, plain=centrals[key])
+                    runs.append(centrals[wkey]["run"])
+                same = centrals[wkey]
             log(f"convergence: seed {seed}: {name} ({_describe(shape)})")
             try:
-                runs.append(_swarm_row(folder / name, opts, seed, name, shape, centrals[key]))
+                runs.append(_swarm_row(folder / name, opts, seed, name, shape, centrals[key], same))
             except Exception as err:  # one broken arm must not cost the arms and seeds after it (hours here)
                 reason = f"{type(err).__name__}: {err}"
                 log(f"convergence: seed {seed}: {name} FAILED ({reason}); its folder keeps the logs")
@@ -209,15 +223,24 @@ def _central_arm(shape: dict) -> tuple[str, dict]:
     return (f"centralized_{name}" if name else "centralized"), settings
 
 
+def _wire_dtype(opts: ConvergenceOptions, shape: dict) -> str:
+    """The wire dtype a row's swarm sends boundaries in: its override, else the preset's."""
+    override = (shape.get("overrides") or {}).get("residual.wire_dtype")
+    return override or demo_manifest(opts.preset, opts.stages).residual.wire_dtype
+
+
 def _centralized(folder: Path, opts: ConvergenceOptions, seed: int, arm: str, settings: dict,
-                 log: Callable[[str], None]) -> dict:
+                 log: Callable[[str], None], wire_boundaries: bool = False, plain: Optional[dict] = None) -> dict:
+    """A centralized arm; ``wire_boundaries``: its stages round their boundaries as a swarm's do (``SAME_ROUNDING``),
+    reported with its ratio to ``plain`` (the arm without)."""
     manifest = demo_manifest(opts.preset, opts.stages, seed=seed, overrides=settings or None)
     log(f"convergence: seed {seed}: {arm}, {opts.preset}, {opts.steps} steps")
     central = train_local(manifest, opts.steps, folder / arm, val_batches=opts.val_batches,
                           eval_every=max(1, opts.steps // 5), shard=(0, 1), device=opts.device,
-                          precision=opts.precision)
+                          precision=opts.precision, wire_boundaries=wire_boundaries)
+    ratio = central["val_loss"] / plain["val_loss"] if plain is not None else 1.0
     central["run"] = {"seed": seed, "row": arm, "tokens": central["tokens"], "val_loss": central["val_loss"],
-                      "loss_ratio": 1.0, "steps_per_stage": {str(s): opts.steps for s in range(opts.stages)},
+                      "loss_ratio": ratio, "steps_per_stage": {str(s): opts.steps for s in range(opts.stages)},
                       "wall_s": central["wall_s"],
                       "curve": [[h["tokens"], h["loss"]] for h in central["history"]],
                       "val_curve": [[e["tokens"], e["val_loss"]] for e in central["evals"]]}
@@ -247,7 +270,8 @@ def _describe(shape: dict) -> str:
             f"{shape['averaging'] or 'preset'} averaging{link}{upm}{settings}")
 
 
-def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, shape: dict, central: dict) -> dict:
+def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, shape: dict, central: dict,
+               same_rounding: Optional[dict] = None) -> dict:
     s = run_demo(DemoOptions(
         out=folder,
         shape=SwarmShape(preset=opts.preset, stages=opts.stages, replicas=shape["replicas"],
@@ -284,7 +308,10 @@ def _swarm_row(folder: Path, opts: ConvergenceOptions, seed: int, name: str, sha
             # Over the training window (every trainer announced .. the stages applied the last sample), as in
             # ``bench efficiency``: start-up, validation and shutdown differ between rows for reasons of their own.
             "tokens_per_s": s["tokens"] / window if (window := (s.get("cpu_window") or {}).get("seconds")) else None,
-            "curve": [[p["tokens"], p["loss"]] for p in s["loss_curve"]]}
+            "curve": [[p["tokens"], p["loss"]] for p in s["loss_curve"]],
+            # SAME_ROUNDING rows: against the centralized arm that rounds its boundaries as this swarm does
+            **({"same_rounding_ratio": (val if val is not None else float("nan")) / same_rounding["val_loss"]}
+               if same_rounding is not None else {})}
 
 
 def summarize_rows(runs: list[dict], steps: int) -> dict[str, dict]:
@@ -314,6 +341,8 @@ def summarize_rows(runs: list[dict], steps: int) -> dict[str, dict]:
             "averaging_mb": _spread([r.get("averaging_bytes", 0) / 1e6 for r in mine]),
             "rotations": [r.get("rotations", 0) for r in mine],
             "lookahead_forwards": [r.get("lookahead_forwards", 0) for r in mine],
+            "same_rounding_ratio": _spread([r["same_rounding_ratio"] for r in mine])
+            if all("same_rounding_ratio" in r for r in mine) else None,
             "failed": failed,
         }
     return rows
@@ -338,8 +367,9 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
 
     def line(name: str, r: dict) -> list:
         if not r["seeds"]:
-            return [name, 0, "every seed failed"] + [""] * 8
+            return [name, 0, "every seed failed"] + [""] * 9
         return [name, len(r["seeds"]), fmt(r["val_loss"], ".4f"), fmt(r["loss_ratio"], ".4f"),
+                fmt(r["same_rounding_ratio"], ".6f") if r.get("same_rounding_ratio") else "",
                 "" if r["target"] is None else f"<= {r['target']:g}",
                 "" if r["met"] is None else ("yes" if r["met"] else "NO"),
                 f"{r['steps_min']}-{r['steps_max']}" if r["steps_min"] != r["steps_max"] else r["steps_min"],
@@ -354,14 +384,18 @@ def _markdown(rows: dict[str, dict], opts: ConvergenceOptions) -> str:
     if failures:
         failures = f"\n\nFailed arms (left out of their rows above; their folders keep the logs):{failures}"
     table = markdown_table(
-        ["row", "seeds", "val loss", "ratio to centralized", "target", "met", "steps per stage",
+        ["row", "seeds", "val loss", "ratio to centralized", "ratio to centralized, same boundary rounding",
+         "target", "met", "steps per stage",
          "tokens/s (training window)", "averaging MB sent", "rotations", "look-ahead forwards"],
         [line(name, r) for name, r in rows.items()])
     where = "" if (opts.device, opts.precision) == ("cpu", "fp32") else f" on {opts.device} in {opts.precision}"
     return (f"`{opts.preset}`{where}, {opts.stages} stages, {opts.steps} optimizer steps' tokens per arm, seeds "
             f"{list(opts.seeds)}; median (min-max) over seeds of the validation loss and of its ratio to the same "
             f"seed's centralized run (NAdam rows: its centralized NAdam run), on the same held-out batches at equal "
-            f"tokens. A centralized run takes {opts.steps} steps.\n\n{table}{failures}")
+            f"tokens. A centralized run takes {opts.steps} steps. `centralized_wire_*`: the centralized run with "
+            f"each boundary rounded as a one-replica swarm rounds it (the projection onto the subspace and the wire "
+            f"dtype, both ways); its ratio is to the plain centralized run, and the rows `serial*` are also compared "
+            f"with it.\n\n{table}{failures}")
 
 
 def _plot(path: Path, runs: list[dict], opts: ConvergenceOptions) -> None:

@@ -71,6 +71,7 @@ def train_model(
     checkpoint_blocks: bool = False,
     reverse_accumulation: bool = False,
     optimizer_kernel: str = "auto",
+    wire_boundaries: bool = False,
 ) -> tuple[dict, PipelineModel]:
     """Train ``steps`` optimizer steps of ``batch.target_batch_size`` sequences: (summary, trained model); the
     summary is also written to ``out_dir``.
@@ -90,7 +91,9 @@ def train_model(
     over fp32 weights), ``--checkpoint-blocks`` and ``--optimizer-kernel`` (``auto``: torch's fused AdamW on CUDA);
     the defaults are the bit-exact CPU baseline.
     ``reverse_accumulation``: each step's microbatches are backpropagated in reverse order: the same gradient sum,
-    rounded differently (``agora bench convergence``'s noise-floor row)."""
+    rounded differently (``agora bench convergence``'s noise-floor row).
+    ``wire_boundaries``: every boundary (training and validation) rounds as a swarm's does (``PipelineModel``): the
+    computation of a one-replica, one-in-flight swarm, to compare it with bit for bit."""
     dev = resolve_device(device)
     check_precision(dev, precision)
     fused = use_fused_kernel(optimizer_kernel, manifest.optimizer.name, dev)
@@ -100,7 +103,7 @@ def train_model(
     train, val, _ = build_datasets(manifest)
     if shard is not None:
         train = train.shard(manifest.seed, *shard)
-    model = PipelineModel(manifest).to(dev)
+    model = PipelineModel(manifest, wire_boundaries=wire_boundaries).to(dev)
     for stage in model.stages:
         stage.checkpoint_blocks = checkpoint_blocks
     if dev.type == "cuda":
@@ -149,6 +152,7 @@ def train_model(
     val_loss = evaluate(model, val_set, precision)
     evals.append({"step": steps - 1, "tokens": tokens, "val_loss": val_loss})
     summary = _summary(manifest, steps, tokens, wall, cpu, history, evals)
+    summary["wire_boundaries"] = wire_boundaries
     summary["curvature"] = curvature.summary() if curvature is not None else None
     summary["warmup"] = {"mode": warm.mode, "clock": clock, "held_steps": held} if warm is not None else None
     summary["compute"] = {**memory_report(dev), "precision": precision, "checkpoint_blocks": checkpoint_blocks,
