@@ -30,9 +30,9 @@ from swarm_util import local_swarm, random_batches, wait_until
 MAN = load_manifest("tiny")
 
 
-def _swarm_losses(layout: list[int], steps: int, man=MAN) -> tuple[list[float], list]:
+def _swarm_losses(layout: list[int], steps: int, manifest=None) -> tuple[list[float], list]:
     """Per-step mean training loss of a swarm fed ``train-local``'s batches in its order, one microbatch at a time."""
-    MAN = man
+    MAN = manifest or globals()["MAN"]
     torch.manual_seed(MAN.seed)
     train, _, _ = build_datasets(MAN)
     accum = MAN.batch.target_batch_size // MAN.batch.microbatch_size

@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from agora.config import Manifest, ModelShape
-from agora.wire import across_boundary
+from agora.wire import compress, decompress
 
 # --------------------------------------------------------------------------- seeded, split-independent init
 
@@ -628,7 +628,7 @@ class PipelineModel(nn.Module):
     """All stages in one process: the centralized baseline and the reference for split-equivalence tests.
 
     Runs the stages back to back on the raw residual stream (no compression), i.e. the unsplit model. With
-    ``wire_boundaries`` each boundary goes through what a swarm does there instead (``wire.across_boundary``: the
+    ``wire_boundaries`` each boundary goes through what a swarm does there instead (``wire.compress`` and ``decompress``: the
     projection onto the subspace, the wire dtype's rounding both ways, the rebuild): the same function in exact
     arithmetic, rounded as a one-replica swarm rounds it.
     """
@@ -655,8 +655,11 @@ class PipelineModel(nn.Module):
         x = tokens
         for i, stage in enumerate(self.stages):
             if self.wire_boundaries and i > 0:
+                # compress/decompress are differentiable: the casts to and from the wire dtype round the gradient
+                # on its way back as a stage sending it would
                 basis = stage.basis if self.manifest.residual.mode == "subspace" else None
-                x = across_boundary(x, tokens, basis, stage.frozen_embed, self.manifest.residual.wire_dtype)
+                sent = compress(x.float(), tokens, basis, self.manifest.residual.wire_dtype)
+                x = decompress(sent, basis, stage.frozen_embed)
             x = stage(x)
         return x
 

@@ -68,34 +68,6 @@ def decompress(
     return frozen_embed[boundary.tokens.long()] + coords @ basis.T
 
 
-class _WireRounding(torch.autograd.Function):
-    """Rounds to the wire dtype both ways: the coordinates going forward, their gradient coming back."""
-
-    @staticmethod
-    def forward(ctx, coords: Tensor, dtype: torch.dtype) -> Tensor:
-        ctx.dtype = dtype
-        return coords.to(dtype).to(coords.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad.to(ctx.dtype).to(grad.dtype), None
-
-
-def across_boundary(x: Tensor, tokens: Tensor, basis: Optional[Tensor], frozen_embed: Optional[Tensor],
-                    wire_dtype: str = "fp32") -> Tensor:
-    """The residual stream the next stage of a swarm rebuilds from ``x``, in one autograd graph: ``compress``, the
-    wire's rounding, ``decompress``, and on the way back the gradient w.r.t. the coordinates rounded to the wire
-    dtype and lifted back (``c U^T``), as stages send it. The centralized baseline runs its stages through this
-    when asked to compute exactly what a one-replica swarm computes (``PipelineModel(wire_boundaries=True)``)."""
-    sent = x if basis is None else x @ basis
-    coords = _WireRounding.apply(sent, WIRE_DTYPES[wire_dtype])
-    if basis is None:
-        return coords
-    if frozen_embed is None:
-        raise ValueError("a subspace boundary needs the run's frozen embedding F to decompress")
-    return frozen_embed[tokens.long()] + coords @ basis.T
-
-
 def bytes_per_token(d_model: int, mode: str, k: Optional[int], wire_dtype: str) -> int:
     """Bytes one token costs at a boundary: coordinates plus the int32 token id."""
     width = d_model if mode == "dense" else int(k)
