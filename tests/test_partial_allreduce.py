@@ -3,11 +3,14 @@ replicas then repair toward the state of one that averaged (``full.repair_source
 
 from __future__ import annotations
 
+import logging
+
 import hivemind
 import torch
 
 from agora.net.records import StageRecord
-from agora.server.averaging.allreduce import GuardedAverager
+from agora.server.averaging.allreduce import HIVEMIND_ALLREDUCE_LOGGER, GuardedAverager, PartFailureFilter, \
+    report_part_failures
 from agora.server.averaging.full import repair_source
 
 SIZE = 200_000
@@ -37,7 +40,10 @@ def _round(averagers) -> list[tuple[bool, int]]:
     return out
 
 
-def test_an_allreduce_with_parts_missing_is_counted_and_a_complete_one_is_not():
+def test_an_allreduce_with_parts_missing_is_counted_and_a_complete_one_is_not(tmp_path):
+    # the averagers' processes are forked from this one and inherit this handler: their log lines land in the file
+    record = logging.FileHandler(tmp_path / "allreduce.log")
+    logging.getLogger(HIVEMIND_ALLREDUCE_LOGGER).addHandler(record)
     boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peers = [str(a) for a in boot.get_visible_maddrs()]
     dhts = [hivemind.DHT(initial_peers=peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
@@ -52,10 +58,51 @@ def test_an_allreduce_with_parts_missing_is_counted_and_a_complete_one_is_not():
             a.shutdown()
         for d in [*dhts, boot]:
             d.shutdown()
+        logging.getLogger(HIVEMIND_ALLREDUCE_LOGGER).removeHandler(record)
+        record.close()
     assert complete == [(True, 0), (True, 0)], complete
     # hivemind reports success either way; every averager left without the true average knows it
     assert any(not exact for exact, _ in partial), partial
     assert all(exact or count == 1 for exact, count in partial), partial
+    # ...and its averager process said why, at WARNING (hivemind itself logs the reason at DEBUG only)
+    lines = (tmp_path / "allreduce.log").read_text()
+    assert "all-reduce part failed: Caught" in lines, lines[-2000:]
+    assert "Traceback" not in lines
+
+
+def test_part_failures_are_promoted_and_other_debug_lines_stay_quiet():
+    log = logging.getLogger(HIVEMIND_ALLREDUCE_LOGGER)
+    level, filters = log.level, list(log.filters)
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record)
+
+    handler = Keep()
+    log.addHandler(handler)
+    try:
+        log.setLevel(logging.INFO)
+        report_part_failures()
+        report_part_failures()  # idempotent
+        assert sum(isinstance(f, PartFailureFilter) for f in log.filters) == 1
+        try:
+            raise TimeoutError
+        except TimeoutError:
+            log.debug("Caught TimeoutError() when communicating to QmPeer", exc_info=True)
+        log.debug("Task <x> failed with y")
+        log.warning("something else")
+    finally:
+        log.removeHandler(handler)
+        log.filters[:] = filters
+        log.setLevel(level)
+    assert [(r.levelno, r.getMessage()) for r in seen] == [
+        (logging.WARNING, "all-reduce part failed: Caught TimeoutError() when communicating to QmPeer"),
+        (logging.WARNING, "something else")]
+    assert seen[0].exc_info is None
+    # a user who asked for DEBUG keeps every DEBUG line
+    keep = PartFailureFilter(drop_debug=False)
+    assert keep.filter(logging.LogRecord(HIVEMIND_ALLREDUCE_LOGGER, logging.DEBUG, "f", 1, "Task x", None, None))
 
 
 def _rec(peer: str, fallback_step: int = -1) -> StageRecord:

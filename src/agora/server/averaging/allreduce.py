@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing as mp
 from typing import Any, Sequence
 
@@ -32,6 +33,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from agora.compression.powersgd import orthogonalize
 from agora.net.lifeline import ParentWatch
 
+HIVEMIND_ALLREDUCE_LOGGER = "hivemind.averaging.allreduce"
 PHASE_P = b".P"
 PHASE_Q = b".Q"
 
@@ -60,6 +62,42 @@ def canonical_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.copy_(tensor.float())
 
 
+class PartFailureFilter(logging.Filter):
+    """Passes hivemind's account of a failed all-reduce part ("Caught TimeoutError() when communicating to <peer>")
+    at WARNING, without its traceback.
+
+    Why: hivemind logs it at DEBUG, and the round then only shows up as "received 98.0% results" and a failed round
+    here (``GuardedAverager``); without the reason nobody can tell a stalled reducer from a broken stream or a peer
+    that left. ``drop_debug``: the logger was lowered to DEBUG only for these lines, so every other DEBUG line of
+    the module is dropped (the user did not ask for them)."""
+
+    def __init__(self, drop_debug: bool):
+        super().__init__()
+        self.drop_debug = drop_debug
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG:
+            return True
+        message = record.getMessage()
+        if not message.startswith("Caught "):
+            return not self.drop_debug
+        record.msg, record.args = f"all-reduce part failed: {message}", None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        return True
+
+
+def report_part_failures() -> None:
+    """Make this process log why all-reduce parts fail (``PartFailureFilter``); calling it again changes nothing."""
+    log = logging.getLogger(HIVEMIND_ALLREDUCE_LOGGER)
+    if any(isinstance(f, PartFailureFilter) for f in log.filters):
+        return
+    drop_debug = log.getEffectiveLevel() > logging.DEBUG
+    log.addFilter(PartFailureFilter(drop_debug))
+    if drop_debug:
+        log.setLevel(logging.DEBUG)
+
+
 class GuardedAverager(DecentralizedAverager):
     """hivemind's averager process, ended when the node process that started it dies (``net.lifeline``), counting
     the all-reduces it finished with part of the average missing (``partial_rounds``, ``incomplete_allreduce``).
@@ -67,7 +105,8 @@ class GuardedAverager(DecentralizedAverager):
     Why count them: when a reducer of some parts does not answer in time, hivemind finishes the all-reduce with our
     own values in those parts ("received 81.8% results") and reports success. This replica then holds a partly local
     gradient while the others hold the average; ``ReplicaSync`` treats such a round as failed, and the replicas'
-    repair adopts the state of one that averaged (``full.repair_source``)."""
+    repair adopts the state of one that averaged (``full.repair_source``). Why a part failed is logged at WARNING
+    (``report_part_failures``)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._lifeline = ParentWatch()
@@ -76,6 +115,7 @@ class GuardedAverager(DecentralizedAverager):
 
     def run(self) -> None:
         self._lifeline.start()
+        report_part_failures()
         super().run()
 
     @property
