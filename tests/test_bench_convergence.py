@@ -92,6 +92,30 @@ def test_the_fp32_wire_row_is_serial_compared_with_the_plain_centralized_arm():
                                                                              "optimizer.betas": (0.99, 0.999)})
 
 
+def test_the_signed_permutation_row_shares_the_centralized_arm_of_its_basis():
+    """``upm_signed`` differs from ``replicas_coordinates`` only by the UPM transform, which a centralized run does
+    not have: both are compared with one centralized arm on the coordinate basis, in its own folder (not the plain
+    ``centralized`` one, which a run of ``replicas`` beside them also writes)."""
+    from agora.bench.convergence import _central_arm
+
+    opts = ConvergenceOptions(preset="small", rows=("replicas", "replicas_coordinates", "upm_signed"))
+    shapes = opts.row_shapes()
+    assert shapes["upm_signed"]["upm_every_s"] == opts.upm_every_s
+    assert shapes["replicas_coordinates"]["upm_every_s"] is None
+    assert {k: v for k, v in shapes["replicas_coordinates"].items() if k != "overrides"} == \
+        {k: v for k, v in shapes["replicas"].items() if k != "overrides"}
+    coordinates = ("centralized_coordinates", {"residual.basis": "coordinates"})
+    assert _central_arm(shapes["upm_signed"]) == _central_arm(shapes["replicas_coordinates"]) == coordinates
+    assert _central_arm(shapes["replicas"]) == ("centralized", {})
+    # both manifests are valid: the swarm's (rotations on, signed permutations on a coordinate basis) and the
+    # centralized arm's
+    from agora.lab.demo_setup import demo_manifest
+
+    swarm = demo_manifest("small", 3, upm_every_s=30.0, overrides=shapes["upm_signed"]["overrides"])
+    assert swarm.security.upm.transforms == "signed_permutations" and swarm.residual.basis == "coordinates"
+    assert demo_manifest("small", 3, overrides=coordinates[1]).residual.basis == "coordinates"
+
+
 def test_the_step_by_step_comparison_needs_whole_steps_of_microbatches():
     from agora.bench.convergence import step_loss_difference
 

@@ -30,6 +30,11 @@ rows add one source of difference at a time to ``serial``, then all together:
   all_capped_no_overlap  ``all_capped`` with overlap off (is the capped gap the staleness of slow rounds?)
   all_capped_overlap     ``all_capped`` with overlap on
   upm, upm_5s     ``replicas`` with UPM: every boundary's frame rotated every ``upm_every_s`` (30 s), or every 5 s
+  replicas_coordinates  ``replicas`` on a coordinate basis (``residual.basis: coordinates``: U is k of the d
+                  coordinates), compared with a centralized arm on the same basis (``centralized_coordinates``)
+  upm_signed      ``replicas_coordinates`` with UPM by signed permutations (``security.upm.transforms``) every
+                  ``upm_every_s``: the transform that moves weights and moments by indexing only, so the swarm should
+                  equal ``replicas_coordinates`` up to noise
   nadam           ``all_overlap`` with NAdam (betas 0.99, 0.999: the asynchronous-pipeline recipe) instead of AdamW
   nadam_lookahead ``nadam`` with the look-ahead: forwards while a step is pending run one predicted update ahead
   nadam_no_overlap ``nadam`` with overlap off (no forward waits on a pending step: nothing for a look-ahead to do)
@@ -63,15 +68,17 @@ from agora.lab.train_local import train_local
 NOISE_ROW = "centralized_reordered"
 ROWS = ("serial", "serial_fp32_wire", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense",
         "powersgd_cold", "sparse", "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all", "all_no_overlap",
-        "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s", "nadam",
-        "nadam_lookahead", "nadam_no_overlap", NOISE_ROW)
+        "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s",
+        "replicas_coordinates", "upm_signed", "nadam", "nadam_lookahead", "nadam_no_overlap", NOISE_ROW)
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
 # Manifest settings other rows change that only a swarm has (a centralized run has no pending step and no wire):
 # such a row is compared with the centralized arm without them.
-OVERRIDES = {"serial_fp32_wire": {"residual.wire_dtype": "fp32"}}
-SWARM_ONLY = ("optimizer.lookahead", "residual.wire_dtype")
+COORDINATES = {"residual.basis": "coordinates"}
+OVERRIDES = {"serial_fp32_wire": {"residual.wire_dtype": "fp32"}, "replicas_coordinates": COORDINATES,
+             "upm_signed": {**COORDINATES, "security.upm.transforms": "signed_permutations"}}
+SWARM_ONLY = ("optimizer.lookahead", "residual.wire_dtype", "security.upm.transforms")
 # Rows that compute exactly what a centralized run does but for the boundaries' rounding (one replica, one in flight):
 # each is also compared with the centralized arm whose stages round their boundaries as the swarm's do
 # (``train_local(wire_boundaries=True)``), which it equals bit for bit when nothing else differs.
@@ -147,6 +154,8 @@ class ConvergenceOptions:
             "all_overlap": row(r, f, True),
             "upm": row(r, 1, False, upm=self.upm_every_s),
             "upm_5s": row(r, 1, False, upm=5.0),
+            "replicas_coordinates": row(r, 1, False),
+            "upm_signed": row(r, 1, False, upm=self.upm_every_s),
             "nadam": row(r, f, True),  # the look-ahead acts only on forwards that overlap a pending step
             "nadam_lookahead": row(r, f, True),
             "nadam_no_overlap": row(r, f, False),
@@ -217,11 +226,12 @@ def run(out: Path, options: Optional[ConvergenceOptions] = None, log: Callable[[
 
 def _central_arm(shape: dict) -> tuple[str, dict]:
     """The centralized arm a row is compared with (its name, its manifest settings): ``centralized``, or
-    ``centralized_nadam`` for the NAdam rows. Settings only a swarm has (``SWARM_ONLY``: the look-ahead, the wire
-    dtype) are left out, so such a row shares its seed's plain centralized arm."""
+    ``centralized_nadam`` for the NAdam rows, ``centralized_coordinates`` for rows on a coordinate basis. Settings
+    only a swarm has (``SWARM_ONLY``: the look-ahead, the wire dtype, the UPM transform) are left out, so such a row
+    shares the centralized arm of the row without them."""
     settings = {k: v for k, v in (shape.get("overrides") or {}).items() if k not in SWARM_ONLY}
-    name = settings.get("optimizer.name")
-    return (f"centralized_{name}" if name else "centralized"), settings
+    parts = [settings.get("optimizer.name"), settings.get("residual.basis")]
+    return "_".join(["centralized", *[str(p) for p in parts if p]]), settings
 
 
 def _wire_dtype(opts: ConvergenceOptions, shape: dict) -> str:
