@@ -9,11 +9,12 @@ Not the swarm: no pipeline, no failed rounds, one partition over the whole model
 
     PYTHONPATH=src python docs/bench/convergence/2026-12-05-sparse-emulation/sparse_emulation.py PRESET SEED STEPS SPEC...
 
-SPEC: ``mode=full`` (the replicas' gradients averaged every step: centralized training up to rounding) or
+``THREADS`` (environment, default 2): torch threads. SPEC: ``mode=full`` (the replicas' gradients averaged every step: centralized training up to rounding) or
 ``rho=R,every=H,delay=K``. One JSON line per spec: each replica's validation loss on the bench's 4 held-out batches
 and their mean.
 """
 import json
+import os
 import sys
 import time
 
@@ -28,7 +29,7 @@ from agora.optim import build_optimizer, set_lr
 
 
 def run(preset: str, seed: int, steps: int, mode: str, rho: float, every: int, delay: int, replicas: int = 2):
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     man = demo_manifest(preset, 3, seed=seed)
     torch.manual_seed(man.seed)
     train, val, _ = build_datasets(man)
