@@ -172,6 +172,9 @@ def test_reverse_dialer_opens_a_connection_to_a_caller_on_loopback():
         node = await P2P.create(initial_peers=boot_addrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
             await register_hello(caller, NS)
+            # The precondition, not the feature: both have joined through boot (their daemons bootstrap in the
+            # background, and on a busy machine the node once looked the caller up before boot knew it).
+            await _until_connected(boot, {str(caller.peer_id), str(node.peer_id)})
             before = {str(i.peer_id) for i in await node.list_peers()}
             targets = [str(caller.peer_id)]
             dialer = ReverseDialer(node, NS, callers=lambda: _ready(targets), timeout_s=10.0)
@@ -194,6 +197,14 @@ def test_reverse_dialer_opens_a_connection_to_a_caller_on_loopback():
 
 async def _ready(value):
     return value
+
+
+async def _until_connected(p2p, peers: set, timeout_s: float = 20.0) -> None:
+    """Wait until ``p2p`` holds a connection to every one of ``peers`` (fails the test after ``timeout_s``)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not peers <= {str(i.peer_id) for i in await p2p.list_peers()}:
+        assert asyncio.get_running_loop().time() < deadline, f"{sorted(peers)} never joined through boot"
+        await asyncio.sleep(0.1)
 
 
 fw_ok, fw_reason = netem.firewall_available()
