@@ -32,16 +32,16 @@ MAN = load_manifest("tiny")
 
 def _swarm_losses(layout: list[int], steps: int, manifest=None) -> tuple[list[float], list]:
     """Per-step mean training loss of a swarm fed ``train-local``'s batches in its order, one microbatch at a time."""
-    MAN = manifest or globals()["MAN"]
-    torch.manual_seed(MAN.seed)
-    train, _, _ = build_datasets(MAN)
-    accum = MAN.batch.target_batch_size // MAN.batch.microbatch_size
-    source = train.batches(MAN.batch.microbatch_size, seed=MAN.seed)
+    man = manifest or MAN
+    torch.manual_seed(man.seed)
+    train, _, _ = build_datasets(man)
+    accum = man.batch.target_batch_size // man.batch.microbatch_size
+    source = train.batches(man.batch.microbatch_size, seed=man.seed)
     batches = [next(source) for _ in range(steps * accum)]
 
     async def main():
-        async with local_swarm(MAN, layout, NodeOptions(stall_step_s=1e9)) as (boot, peers, nodes):
-            trainer = Trainer(MAN, boot, shard=None)
+        async with local_swarm(man, layout, NodeOptions(stall_step_s=1e9)) as (boot, peers, nodes):
+            trainer = Trainer(man, boot, shard=None)
             await trainer.start()
             await wait_until(lambda: all(len(s) == layout.count(0) for s in trainer.swarm), 30, "stages to announce")
             losses = []
