@@ -306,11 +306,15 @@ def _sparse_swarm(man):
     return asyncio.run(main())
 
 
-def test_sparse_swarm_learns_without_state_downloads():
-    losses, heads = _sparse_swarm(SPARSE)
+@pytest.mark.parametrize("every", [2, 1], ids=["every-2", "every-step-the-default"])
+def test_sparse_swarm_learns_without_state_downloads(every):
+    man = SPARSE if every == 2 else BASE.with_overrides(averaging={"scheme": "sparse", "rho": 0.5})
+    assert man.averaging.every == every
+    losses, heads = _sparse_swarm(man)
     assert losses[1] < losses[0] - 0.5, losses
     assert all(h.sync.resyncs == 0 for h in heads), [h.sync.resyncs for h in heads]
     assert all(h.step >= 2 for h in heads), [h.step for h in heads]
+    assert all(h.sync.rounds_ok >= 1 for h in heads), [h.sync.rounds_ok for h in heads]
     print(f"sparse: losses {losses}, steps {[h.step for h in heads]}, rounds ok {[h.sync.rounds_ok for h in heads]}, "
           f"failed {[h.sync.rounds_failed for h in heads]}")
 

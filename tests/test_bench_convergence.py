@@ -138,3 +138,14 @@ def test_a_target_is_a_distance_from_centralized_either_way():
     assert [rows[r]["met"] for r in ("serial", "all", "powersgd")] == [False, True, False]
     md = _markdown(rows, ConvergenceOptions(preset="small", steps=5, stages=1, seeds=(0,)))
     assert "within 0.1%" in md and "within 2%" in md and "within 3%" in md
+
+
+def test_the_sparse_row_rounds_every_step_as_the_scheme_does_by_default():
+    """The ``sparse`` row measures what a user gets from ``averaging.scheme: sparse`` (a round every step), not
+    DiLoCo's phase length; ``sparse_every`` picks another setting, ``diloco_every`` leaves it alone."""
+    from agora.lab.demo_setup import demo_manifest
+
+    shapes = ConvergenceOptions(preset="small", rows=("sparse", "diloco"), diloco_every=8).row_shapes()
+    assert shapes["sparse"]["averaging"] == "sparse,every=1" and shapes["diloco"]["averaging"] == "diloco,every=8"
+    assert demo_manifest("small", 3, averaging="sparse").averaging.every == 1
+    assert ConvergenceOptions(sparse_every=4, rows=("sparse",)).row_shapes()["sparse"]["averaging"] == "sparse,every=4"

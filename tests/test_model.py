@@ -203,6 +203,25 @@ def test_averaging_section_defaults_validates_and_enters_the_hash(tmp_path):
         assert load_manifest(preset).averaging.scheme == "full"
 
 
+def test_sparse_rounds_every_step_unless_told_while_diloco_keeps_its_h(tmp_path):
+    """``every``'s default is the scheme's: 1 for SPARTA (measured: every 4 steps cost 3.2% of loss at 409,600
+    tokens of small), 20 for DiLoCo's and gossip's inner phases. An explicit value always wins and survives the
+    round trip through YAML and the canonical JSON (the hash)."""
+    base = load_manifest("tiny")
+    assert base.with_overrides(averaging={"scheme": "sparse"}).averaging.every == 1
+    assert base.with_overrides(averaging={"scheme": "sparse", "rho": 0.1}).averaging.every == 1
+    assert base.with_overrides(averaging={"scheme": "diloco"}).averaging.every == 20
+    assert base.with_overrides(averaging={"scheme": "gossip"}).averaging.every == 20
+    for every in (1, 4, 20):
+        m = base.with_overrides(averaging={"scheme": "sparse", "every": every})
+        path = tmp_path / f"m{every}.yaml"
+        path.write_text(m.to_yaml())
+        again = load_manifest(path)
+        assert again.averaging.every == every and again.hash == m.hash
+    assert (base.with_overrides(averaging={"scheme": "sparse"}).hash
+            != base.with_overrides(averaging={"scheme": "sparse", "every": 20}).hash)
+
+
 @pytest.mark.parametrize("change,needle", [
     ({"averaging": {"scheme": "topk"}}, "averaging.scheme"),
     ({"averaging": {"scheme": "powersgd", "rank": 0}}, "averaging.rank"),

@@ -402,8 +402,10 @@ def bench_convergence(
                                                   "that applies)"),
     link_mbps: Optional[float] = typer.Option(None, help="add the all_capped rows: every link capped at this rate"),
     val_batches: int = typer.Option(4, min=1),
-    diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round, the "
-                                                    "sparse row's steps between rounds"),
+    diloco_every: int = typer.Option(4, min=1, help="the diloco and gossip rows' inner steps per outer round"),
+    sparse_every: int = typer.Option(1, min=1, help="the sparse row's steps between rounds (averaging.every's "
+                                                    "default for sparse; before 2026-12-05 the row used "
+                                                    "--diloco-every)"),
     upm_every_s: float = typer.Option(30.0, min=1.0, help="the upm row's seconds between rotations of a boundary"),
     rebalance: bool = typer.Option(True, help="nodes move to the bottleneck stage (agora node's default); "
                                               "--no-rebalance keeps every row's shape fixed, for comparing speeds"),
@@ -422,8 +424,8 @@ def bench_convergence(
         row_list = _listed(rows) if rows else None
         opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches,
-                                  diloco_every=diloco_every, upm_every_s=upm_every_s, rebalance=rebalance,
-                                  averaging_timeout_s=averaging_timeout, device=device, precision=precision)
+                                  diloco_every=diloco_every, sparse_every=sparse_every, upm_every_s=upm_every_s,
+                                  rebalance=rebalance, averaging_timeout_s=averaging_timeout, device=device, precision=precision)
         opts.row_shapes()  # fail on a bad row name before anything runs
         from agora.devices import check_precision, resolve_device
 

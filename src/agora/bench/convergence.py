@@ -16,7 +16,7 @@ rows add one source of difference at a time to ``serial``, then all together:
                   first ``averaging.dense_steps`` steps, 5, averaged in full)
   powersgd_no_dense  ``powersgd`` compressing from the first step (the default on 2026-12-04 before the dense steps)
   powersgd_cold   ``powersgd_no_dense`` with a fresh seeded Q every round (the default before 2026-12-04)
-  sparse          ``replicas`` with sparse averaging, a round every ``diloco_every`` steps
+  sparse          ``replicas`` with sparse averaging (rho 0.05), a round every ``sparse_every`` steps (1: the default)
   diloco          ``replicas`` with DiLoCo: ``diloco_every`` inner steps per outer Nesterov step (0.7 / 0.9)
   gossip          ``diloco`` with factored gossip instead of the exact average (q = 1)
   in_flight_overlap  ``in_flight`` with the overlap on (with ``replicas_overlap``: which of the two the overlap's
@@ -105,7 +105,8 @@ class ConvergenceOptions:
     rows: Optional[tuple[str, ...]] = None
     link_mbps: Optional[float] = None
     val_batches: int = 4
-    diloco_every: int = 4  # DiLoCo's inner steps per outer round in the ``diloco`` row, steps between ``sparse`` rounds
+    diloco_every: int = 4  # DiLoCo's inner steps per outer round in the ``diloco`` and ``gossip`` rows
+    sparse_every: int = 1  # steps between the ``sparse`` row's rounds (the scheme's default; 4 before 2026-12-05)
     upm_every_s: float = 30.0  # seconds between rotations of a boundary in the ``upm`` row
     # Nodes move to the bottleneck stage as ``agora node`` does by default. A move mid-run changes a row's shape
     # (and its speed) at a moment that depends on timing: off for comparing rows' speeds.
@@ -143,8 +144,7 @@ class ConvergenceOptions:
             "powersgd_no_dense": row(r, 1, False, "powersgd,dense_steps=0"),
             # a fresh seeded Q every round instead of the last averaged one (the default before 2026-12-04)
             "powersgd_cold": row(r, 1, False, "powersgd,warm_start=false,dense_steps=0"),
-            # every: the preset's default (20) never comes at benchmark horizons of ~12 steps
-            "sparse": row(r, 1, False, f"sparse,every={self.diloco_every}"),
+            "sparse": row(r, 1, False, f"sparse,every={self.sparse_every}"),
             "diloco": row(r, 1, False, f"diloco,every={self.diloco_every}"),
             "gossip": row(r, 1, False, f"gossip,every={self.diloco_every},q=1"),
             "in_flight_overlap": row(1, f, True),
