@@ -7,10 +7,12 @@ pipeline, no failed rounds, and the tied embedding is one tensor.
 
     PYTHONPATH=src python docs/bench/convergence/2026-12-04-dense/powersgd_emulation.py SEED STEPS SPEC...
 
+``THREADS`` (environment, default 2): torch threads.
+
 SPEC: ``mode=full`` (average in full every step) or ``rank=R,warm=0|1,full=N`` (the first N steps averaged in
 full: ``averaging.dense_steps``). One JSON line per spec: the validation loss on the bench's 4 held-out batches.
 """
-import json, sys, time, torch
+import json, os, sys, time, torch
 from agora.lab.demo import demo_manifest
 from agora.data import build_datasets
 from agora.model import PipelineModel
@@ -19,7 +21,7 @@ from agora.lab.train_local import evaluate
 from agora.compression.powersgd import PowerSGD
 
 def run(seed, steps, rank, warm_start, full_steps=0, replicas=2, mode="psgd", min_compression=2.0):
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     man = demo_manifest("small", 3, seed=seed)
     torch.manual_seed(man.seed)
     train, val, _ = build_datasets(man)
