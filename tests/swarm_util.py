@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 
 from hivemind import DHT
@@ -119,9 +120,15 @@ def kill_started(procs) -> None:
 
 
 async def wait_until(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
-    """Poll ``predicate`` on the test's loop until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    """Poll ``predicate`` (plain or async) on the test's loop until it holds; fail naming ``what`` after
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+
+    async def holds() -> bool:
+        result = predicate()
+        return bool(await result) if inspect.isawaitable(result) else bool(result)
+
+    while not await holds():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(poll)

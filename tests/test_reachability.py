@@ -22,7 +22,7 @@ from agora.net.reachability import (DIALBACK, DIRECT, UNKNOWN, UNREACHABLE, Conn
                                     ReverseDialer, check_reachability, is_relayed, listening_port, register_hello)
 from agora.ops.doctor import clock_skew
 
-from swarm_util import kill_pids, processes_mentioning
+from swarm_util import kill_pids, processes_mentioning, wait_until
 
 NS = "reach-test"
 ENV = {**os.environ, "COLUMNS": "200"}  # rich wraps at 80 columns in a pipe; the checks read whole table rows
@@ -174,7 +174,12 @@ def test_reverse_dialer_opens_a_connection_to_a_caller_on_loopback():
             await register_hello(caller, NS)
             # The precondition, not the feature: both have joined through boot (their daemons bootstrap in the
             # background, and on a busy machine the node once looked the caller up before boot knew it).
-            await _until_connected(boot, {str(caller.peer_id), str(node.peer_id)})
+            joined = {str(caller.peer_id), str(node.peer_id)}
+
+            async def boot_holds_both() -> bool:
+                return joined <= {str(i.peer_id) for i in await boot.list_peers()}
+
+            await wait_until(boot_holds_both, 20, "the caller and the node to join through boot")
             before = {str(i.peer_id) for i in await node.list_peers()}
             targets = [str(caller.peer_id)]
             dialer = ReverseDialer(node, NS, callers=lambda: _ready(targets), timeout_s=10.0)
@@ -197,14 +202,6 @@ def test_reverse_dialer_opens_a_connection_to_a_caller_on_loopback():
 
 async def _ready(value):
     return value
-
-
-async def _until_connected(p2p, peers: set, timeout_s: float = 20.0) -> None:
-    """Wait until ``p2p`` holds a connection to every one of ``peers`` (fails the test after ``timeout_s``)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not peers <= {str(i.peer_id) for i in await p2p.list_peers()}:
-        assert asyncio.get_running_loop().time() < deadline, f"{sorted(peers)} never joined through boot"
-        await asyncio.sleep(0.1)
 
 
 fw_ok, fw_reason = netem.firewall_available()

@@ -252,9 +252,7 @@ class AveragingConfig(_Strict):
       whole gradient, as ``full`` does (the early steps are where a rank-``rank`` update costs the most loss).
     * ``sparse``: SPARTA. Each replica steps on its own gradients; every ``every`` steps (default 1) a background
       round averages a seeded ``rho`` slice of parameters and Adam moments (replicas legitimately differ in
-      between). At 409,600 tokens of ``small`` a round every 4 steps cost 3.2% of loss against centralized, every
-      step 0.5% (medians of 3 seeds), for ``3 rho`` of the state per step, non-blocking: hence the default
-      (docs/AVERAGING.md).
+      between); why every step by default, and what it costs: docs/AVERAGING.md.
     * ``diloco``: DiLoCo. Each replica takes ``every`` inner steps on its own gradients, then a blocking round
       averages the outer step (Nesterov on the pseudo-gradient, ``outer_lr``, ``outer_momentum``): replicas end
       every round identical and differ in between; ``1/every`` of ``full``'s rounds, each twice its size.
