@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from agora.bench.convergence import ConvergenceOptions, run
+from agora.bench.convergence import TARGETS, ConvergenceOptions, run
 
 
 def test_the_serial_swarm_matches_centralized_and_every_stage_steps_once_per_batch(tmp_path):
@@ -149,3 +149,25 @@ def test_the_sparse_row_rounds_every_step_as_the_scheme_does_by_default():
     assert shapes["sparse"]["averaging"] == "sparse,every=1" and shapes["diloco"]["averaging"] == "diloco,every=8"
     assert demo_manifest("small", 3, averaging="sparse").averaging.every == 1
     assert ConvergenceOptions(sparse_every=4, rows=("sparse",)).row_shapes()["sparse"]["averaging"] == "sparse,every=4"
+
+
+def test_the_pipelined_rows_carry_the_compressed_schemes_and_the_powersgd_rank():
+    """``all_sparse`` / ``all_powersgd`` are ``all`` (replicas, microbatches in flight, the preset's overlap) with the
+    scheme of ``sparse`` / ``powersgd``, judged against the issue's 3%; ``powersgd_rank`` reaches every PowerSGD row's
+    manifest and nothing else."""
+    from agora.lab.demo_setup import demo_manifest
+
+    opts = ConvergenceOptions(preset="small", rows=("all", "all_sparse", "all_powersgd", "powersgd_cold", "sparse"),
+                              powersgd_rank=8)
+    shapes = opts.row_shapes()
+    for name in ("all_sparse", "all_powersgd"):
+        assert {k: shapes[name][k] for k in ("replicas", "in_flight", "overlap")} == \
+               {k: shapes["all"][k] for k in ("replicas", "in_flight", "overlap")}
+        assert TARGETS[name] == 1.03
+    assert shapes["all_sparse"]["averaging"] == shapes["sparse"]["averaging"] == "sparse,every=1"
+    for name in ("all_powersgd", "powersgd_cold"):
+        averaging = demo_manifest("small", 3, averaging=shapes[name]["averaging"]).averaging
+        assert (averaging.scheme, averaging.rank) == ("powersgd", 8)
+    assert demo_manifest("small", 3, averaging=shapes["powersgd_cold"]["averaging"]).averaging.warm_start is False
+    default = ConvergenceOptions(preset="small", rows=("powersgd",)).row_shapes()["powersgd"]["averaging"]
+    assert demo_manifest("small", 3, averaging=default).averaging.rank == 4

@@ -395,7 +395,8 @@ def bench_convergence(
                                                   "in_flight, replicas, powersgd, powersgd_no_dense, "
                                                   "powersgd_cold, sparse, diloco, gossip, "
                                                   "in_flight_overlap, replicas_overlap, all, all_no_overlap, "
-                                                  "all_overlap, all_capped, all_capped_no_overlap, "
+                                                  "all_powersgd, all_sparse, all_overlap, all_capped, "
+                                                  "all_capped_no_overlap, "
                                                   "all_capped_overlap, upm, upm_5s, nadam, "
                                                   "nadam_lookahead, nadam_no_overlap, centralized_reordered (the "
                                                   "float noise floor; only when named) (default: every swarm row "
@@ -406,6 +407,8 @@ def bench_convergence(
     sparse_every: int = typer.Option(1, min=1, help="the sparse row's steps between rounds (averaging.every's "
                                                     "default for sparse; before 2026-12-05 the row used "
                                                     "--diloco-every)"),
+    powersgd_rank: Optional[int] = typer.Option(None, min=1, max=256, help="the PowerSGD rows' rank (default: "
+                                                                           "averaging.rank's, 4)"),
     upm_every_s: float = typer.Option(30.0, min=1.0, help="the upm row's seconds between rotations of a boundary"),
     rebalance: bool = typer.Option(True, help="nodes move to the bottleneck stage (agora node's default); "
                                               "--no-rebalance keeps every row's shape fixed, for comparing speeds"),
@@ -424,8 +427,8 @@ def bench_convergence(
         row_list = _listed(rows) if rows else None
         opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches,
-                                  diloco_every=diloco_every, sparse_every=sparse_every, upm_every_s=upm_every_s,
-                                  rebalance=rebalance, averaging_timeout_s=averaging_timeout, device=device, precision=precision)
+                                  diloco_every=diloco_every, sparse_every=sparse_every, powersgd_rank=powersgd_rank,
+                                  upm_every_s=upm_every_s, rebalance=rebalance, averaging_timeout_s=averaging_timeout, device=device, precision=precision)
         opts.row_shapes()  # fail on a bad row name before anything runs
         from agora.devices import check_precision, resolve_device
 

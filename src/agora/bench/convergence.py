@@ -25,6 +25,8 @@ rows add one source of difference at a time to ``serial``, then all together:
   all             ``replicas`` per stage, ``in_flight`` in flight, the preset's averaging and overlap (as users run;
                   overlap is off by default since 2026-12-04)
   all_no_overlap  ``all`` with overlap off
+  all_powersgd    ``all`` averaged by PowerSGD as in ``powersgd`` (the issue's 3% target is for the pipelined swarm)
+  all_sparse      ``all`` with sparse averaging as in ``sparse``
   all_overlap     ``all`` with overlap on
   all_capped      ``all`` with every peer's link capped at ``link_mbps`` (only with ``link_mbps``)
   all_capped_no_overlap  ``all_capped`` with overlap off (is the capped gap the staleness of slow rounds?)
@@ -67,9 +69,10 @@ from agora.lab.train_local import train_local
 # Not a swarm: the centralized arm again with its gradient sums reordered, for the float noise floor of a ratio.
 NOISE_ROW = "centralized_reordered"
 ROWS = ("serial", "serial_fp32_wire", "overlap", "in_flight", "replicas", "powersgd", "powersgd_no_dense",
-        "powersgd_cold", "sparse", "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all", "all_no_overlap",
-        "all_overlap", "all_capped", "all_capped_no_overlap", "all_capped_overlap", "upm", "upm_5s",
-        "replicas_coordinates", "upm_signed", "nadam", "nadam_lookahead", "nadam_no_overlap", NOISE_ROW)
+        "powersgd_cold", "sparse", "diloco", "gossip", "in_flight_overlap", "replicas_overlap", "all",
+        "all_no_overlap", "all_powersgd", "all_sparse", "all_overlap", "all_capped", "all_capped_no_overlap",
+        "all_capped_overlap", "upm", "upm_5s", "replicas_coordinates", "upm_signed", "nadam", "nadam_lookahead",
+        "nadam_no_overlap", NOISE_ROW)
 # The optimizer settings of rows that change it; their centralized arm runs with the same settings.
 NADAM = {"optimizer.name": "nadam", "optimizer.betas": (0.99, 0.999)}
 OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead": True}, "nadam_no_overlap": NADAM}
@@ -86,7 +89,8 @@ SAME_ROUNDING = ("serial", "serial_fp32_wire")
 # The issue's targets, as loss ratios to centralized at equal tokens (rows without one are reported, not judged):
 # a row meets its target when its median ratio is within (target - 1) of 1 either way.
 TARGETS = {"serial": 1.001, "serial_fp32_wire": 1.001, "all": 1.02, "all_no_overlap": 1.02, "all_overlap": 1.02,
-           "powersgd": 1.03, "powersgd_no_dense": 1.03, "powersgd_cold": 1.03, "sparse": 1.03}
+           "powersgd": 1.03, "powersgd_no_dense": 1.03, "powersgd_cold": 1.03, "sparse": 1.03,
+           "all_powersgd": 1.03, "all_sparse": 1.03}
 SWARM_TIMEOUT_S = 7200
 
 
@@ -107,6 +111,7 @@ class ConvergenceOptions:
     val_batches: int = 4
     diloco_every: int = 4  # DiLoCo's inner steps per outer round in the ``diloco`` and ``gossip`` rows
     sparse_every: int = 1  # steps between the ``sparse`` row's rounds (the scheme's default; 4 before 2026-12-05)
+    powersgd_rank: Optional[int] = None  # the PowerSGD rows' rank (None: the scheme's default, 4)
     upm_every_s: float = 30.0  # seconds between rotations of a boundary in the ``upm`` row
     # Nodes move to the bottleneck stage as ``agora node`` does by default. A move mid-run changes a row's shape
     # (and its speed) at a moment that depends on timing: off for comparing rows' speeds.
@@ -128,6 +133,8 @@ class ConvergenceOptions:
     def row_shapes(self) -> dict[str, dict]:
         """Each row's swarm: replicas, microbatches in flight, averaging spec (None: the preset's), link cap."""
         r, f = self.replicas, self.in_flight
+        rank = f",rank={self.powersgd_rank}" if self.powersgd_rank is not None else ""
+        sparse = f"sparse,every={self.sparse_every}"
 
         def row(replicas: int, in_flight: int, overlap: Optional[bool], averaging: Optional[str] = None,
                 mbps: Optional[float] = None, upm: Optional[float] = None) -> dict:
@@ -140,17 +147,19 @@ class ConvergenceOptions:
             "overlap": row(1, 1, True),
             "in_flight": row(1, f, False),
             "replicas": row(r, 1, False),
-            "powersgd": row(r, 1, False, "powersgd"),
-            "powersgd_no_dense": row(r, 1, False, "powersgd,dense_steps=0"),
+            "powersgd": row(r, 1, False, f"powersgd{rank}"),
+            "powersgd_no_dense": row(r, 1, False, f"powersgd,dense_steps=0{rank}"),
             # a fresh seeded Q every round instead of the last averaged one (the default before 2026-12-04)
-            "powersgd_cold": row(r, 1, False, "powersgd,warm_start=false,dense_steps=0"),
-            "sparse": row(r, 1, False, f"sparse,every={self.sparse_every}"),
+            "powersgd_cold": row(r, 1, False, f"powersgd,warm_start=false,dense_steps=0{rank}"),
+            "sparse": row(r, 1, False, sparse),
             "diloco": row(r, 1, False, f"diloco,every={self.diloco_every}"),
             "gossip": row(r, 1, False, f"gossip,every={self.diloco_every},q=1"),
             "in_flight_overlap": row(1, f, True),
             "replicas_overlap": row(r, 1, True),
             "all": row(r, f, None),
             "all_no_overlap": row(r, f, False),
+            "all_powersgd": row(r, f, None, f"powersgd{rank}"),
+            "all_sparse": row(r, f, None, sparse),
             "all_overlap": row(r, f, True),
             "upm": row(r, 1, False, upm=self.upm_every_s),
             "upm_5s": row(r, 1, False, upm=5.0),
