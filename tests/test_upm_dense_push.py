@@ -9,6 +9,7 @@ from agora.config import load_manifest
 from agora.net.admission import MIN_BUDGET_BYTES
 from agora.server.handler import largest_request_bytes
 from agora.server.node import NodeOptions
+from agora.server.stage_records import StageRecords
 from agora.server.upm import push_timeout_s, rotation_bytes
 from swarm_util import local_swarm, wait_until
 
@@ -74,10 +75,11 @@ def test_a_stuck_transfer_never_holds_the_push_loop_nor_gets_a_later_frame_in_pa
 
     monkeypatch.setattr(upm.transport, "call", fake_call)
 
-    async def run_io(fn, *args):
-        return records[args[2]]  # read_stage(dht, run_id, stage, hash)
+    async def read(stage):
+        return records[stage]
 
-    hooks = upm.RotationHooks(peer_id="me", p2p=lambda: None, dht=None, run_io=run_io, run_compute=None,
+    hooks = upm.RotationHooks(peer_id="me", p2p=lambda: None, records=StageRecords(read).get, run_io=None,
+                              run_compute=None,
                               ledger=lambda: None, stage=lambda: 0, step=lambda: 0, is_serving=lambda: True,
                               is_stopping=lambda: False, log_event=lambda *a, **k: None)
     rotations = upm.Rotations(man, hooks)

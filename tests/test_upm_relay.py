@@ -15,6 +15,7 @@ from agora.model import Stage
 from agora.net.records import PeerState, StageRecord
 from agora.net.transport import RpcError
 from agora.server import upm
+from agora.server.stage_records import StageRecords
 
 
 def test_an_applied_rotation_still_reaches_a_replica_that_joined_the_view_late_one_frame_at_a_time(monkeypatch):
@@ -42,8 +43,10 @@ def test_an_applied_rotation_still_reaches_a_replica_that_joined_the_view_late_o
         epochs[peer] = meta["epoch"]
         return {"verdict": "accepted"}, []
 
-    async def run_io(fn, *args):
-        return list(records[args[2]])  # read_stage(dht, run_id, stage, hash)
+    async def read(stage):
+        return list(records[stage])
+
+    cache = StageRecords(read)
 
     async def run_compute(fn, *args):
         return fn(*args)
@@ -51,13 +54,14 @@ def test_an_applied_rotation_still_reaches_a_replica_that_joined_the_view_late_o
     monkeypatch.setattr(upm.transport, "call", fake_call)
     monkeypatch.setattr(upm, "PUSH_EVERY_S", 0.0)
     step = [3]
-    hooks = upm.RotationHooks(peer_id="a", p2p=lambda: None, dht=None, run_io=run_io, run_compute=run_compute,
+    hooks = upm.RotationHooks(peer_id="a", p2p=lambda: None, records=cache.get, run_io=None,
+                              run_compute=run_compute,
                               ledger=lambda: ledger, stage=lambda: 1, step=lambda: step[0], is_serving=lambda: True,
                               is_stopping=lambda: False, log_event=lambda *a, **k: None)
     rotations = upm.Rotations(man, hooks)
 
     async def tick():
-        rotations._records.clear()  # every tick reads the records afresh (the cache's age is not under test)
+        cache.forget()  # every tick reads the records afresh (the cache's age is not under test)
         await rotations.tick()
         await asyncio.sleep(0.05)  # the transfers are tasks of their own
 

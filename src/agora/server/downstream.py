@@ -15,10 +15,11 @@ import torch
 
 from agora.client.router import Reply, Router, RouterOptions
 from agora.config import Manifest
-from agora.net.records import StageRecord, read_stage
+from agora.net.records import StageRecord
 from agora.net.transport import TransferStats
 from agora.server.runtime import Counters
 from agora.server.screening import Message, Screening
+from agora.server.stage_records import StageRecords
 from agora.wire import Boundary
 
 logger = logging.getLogger("agora.node")
@@ -34,9 +35,11 @@ class DownstreamHooks:
     :param counters: the node's counters (retries are counted there)
     :param stats: byte counters of the calls to the next stage
     :param acks: results each downstream peer delivered (the node publishes them)
+    :param records: the node's shared reads of stage records (``StageRecords``)
     """
 
     run_io: Callable[..., Awaitable[Any]]
+    records: StageRecords
     is_leaving: Callable[[], bool]
     screening: Optional[Screening]
     counters: Counters
@@ -67,8 +70,7 @@ class Downstream:
         if self.next_stage >= self.manifest.n_stages:
             return
         try:
-            self.records = await self.hooks.run_io(read_stage, self.dht, self.manifest.run_id, self.next_stage,
-                                                   self.manifest.hash)
+            self.records = await self.hooks.records.get(self.next_stage)
         except Exception as err:
             logger.warning(f"reading stage {self.next_stage} records failed: {err!r}")
 

@@ -51,6 +51,7 @@ from agora.server.observers import Observers
 from agora.server.rebalance import Rebalancer
 from agora.server.runtime import Counters, OutputFilter, RuntimeOptions, StageRuntime
 from agora.server.screening import Screening, ScreeningHooks
+from agora.server.stage_records import StageRecords
 from agora.server.upm import ROTATION_OVERHEAD_BYTES, RotationHooks, Rotations, rotation_bytes
 from agora.trust.ratelimit import RateLimiter
 
@@ -161,9 +162,12 @@ class StageNode:
         self.handler = StageHandler(self)
         self.inference = InferenceSessions(self, self.opts.inference_memory_bytes, self.opts.inference_idle_s)
         self.rebalancer = Rebalancer(self)
+        # Stage records read from the DHT, shared by the replica sync, the next hop, UPM and the loops here
+        self.records = StageRecords(lambda s: self.run_io(read_stage, dht, manifest.run_id, s, manifest.hash))
         # UPM: the rotations of the frames at this node's boundaries (None: the run does not rotate)
         self.rotations = Rotations(manifest, RotationHooks(
-            peer_id=self.peer_id, p2p=lambda: self._p2p, dht=dht, run_io=self.run_io, run_compute=self.run_compute,
+            peer_id=self.peer_id, p2p=lambda: self._p2p, records=self.records.get, run_io=self.run_io,
+            run_compute=self.run_compute,
             ledger=lambda: self.runtime.frames, stage=lambda: self.stage_index, step=lambda: self.runtime.step,
             is_serving=lambda: self.state == PeerState.SERVING, is_stopping=lambda: self.stopping,
             log_event=self.log_event,
@@ -257,7 +261,8 @@ class StageNode:
         options = RouterOptions(max_retries=o.max_retries, timeout_s=o.hop_timeout_s * (n_stages - self.stage_index - 1),
                                 wait_for_peers_s=o.wait_for_peers_s, backoff_s=0.5, ban_s=o.ban_s, use_inflight=False,
                                 hedge_factor=o.hedge_factor, hedge_min_s=o.hedge_min_s)
-        hooks = DownstreamHooks(run_io=self.run_io, is_leaving=lambda: self.state == PeerState.LEAVING,
+        hooks = DownstreamHooks(run_io=self.run_io, records=self.records,
+                                 is_leaving=lambda: self.state == PeerState.LEAVING,
                                  screening=self.screening, counters=self.counters, stats=self.stats_out, acks=self.acks)
         return Downstream(self.manifest, self.stage_index, self.dht, self._p2p, options, hooks)
 
@@ -271,7 +276,7 @@ class StageNode:
             averaging_timeout_s=timeout, stall_step_s=self.opts.stall_step_s,
             run_compute=self.run_compute, run_io=self.run_io, announce=self.announce, log_event=self.log_event,
             is_serving=lambda: self.state == PeerState.SERVING, local_bans=self.banned_peers, members=self.members,
-            observers=self.observers, state_bytes=stage_state_bytes(self.runtime.stage),
+            observers=self.observers, state_bytes=stage_state_bytes(self.runtime.stage), records=self.records,
             clip_wait_s=default_clip_wait_s(count_parameters(self.manifest)["per_stage"], self.opts.averaging_timeout_s),
         )
         return make_sync(ctx)
@@ -328,9 +333,9 @@ class StageNode:
         if not unreachable or stage is None:
             return []
         m = self.manifest
-        peers = [r.peer_id for r in await self.run_io(read_stage, self.dht, m.run_id, stage, m.hash)]
+        peers = [r.peer_id for r in await self.records.get(stage)]
         if stage > 0:
-            peers += [r.peer_id for r in await self.run_io(read_stage, self.dht, m.run_id, stage - 1, m.hash)]
+            peers += [r.peer_id for r in await self.records.get(stage - 1)]
         else:
             trainers = await self.run_io(read_subkeys, self.dht, trainers_key(m.run_id))
             peers += [pid for pid, v in trainers.items() if isinstance(v, dict) and v.get("manifest_hash") == m.hash]
@@ -562,7 +567,7 @@ class StageNode:
         """Write what we see of our stage to the state ledger: the replicas serving it, ourselves included, a few
         times per ``security.state_access.period_s`` (at most every 20 s), so a peer that served this stage
         cannot take another stage's state within the period (server/state_access.py)."""
-        m, access = self.manifest, self.state_access
+        access = self.state_access
         every = min(20.0, max(1.0, access.period_s / 3))
         while True:
             await asyncio.sleep(every)
@@ -570,7 +575,7 @@ class StageNode:
                 continue
             stage = self.stage_index
             try:
-                recs = await self.run_io(read_stage, self.dht, m.run_id, stage, m.hash)
+                recs = await self.records.get(stage)
                 serving = {r.peer_id for r in recs if r.state == PeerState.SERVING.value} | {self.peer_id}
                 if stage == self.stage_index:  # not moved meanwhile
                     await access.witness(stage, sorted(serving))

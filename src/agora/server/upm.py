@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from agora.model import Stage
 from agora.net import transport
 from agora.net.admission import MIN_RATE_BYTES_PER_S, IncomingLimits
 from agora.net.protocol import FRAME
-from agora.net.records import PeerState, StageRecord, read_stage
+from agora.net.records import PeerState, StageRecord
 from agora.net.transport import RpcError
 
 logger = logging.getLogger("agora.upm")
@@ -253,7 +252,8 @@ class RotationHooks:
 
     peer_id: str
     p2p: Callable[[], Any]
-    dht: Any
+    # a stage's records at most ``max_age_s`` old (the node's ``StageRecords.get``, shared with its other parts)
+    records: Callable[[int, float], Awaitable[list[StageRecord]]]
     run_io: Callable[..., Awaitable[Any]]
     run_compute: Callable[..., Awaitable[Any]]
     ledger: Callable[[], Optional[FrameLedger]]  # the served runtime's ledger
@@ -294,7 +294,6 @@ class Rotations:
         self.sent = 0
         self._pushes: dict[tuple[int, int], _Pushes] = {}
         self._last_drawn: dict[int, float] = {}  # boundary -> monotonic time we drew (or saw) its last rotation
-        self._records: dict[int, tuple[float, list[StageRecord]]] = {}
         self._warned: set[tuple[str, str]] = set()  # (peer, error code) refusals already logged as warnings
 
     # ------------------------------------------------------------------ the RPC
@@ -451,16 +450,13 @@ class Rotations:
         for peer in targets:
             state.sending[peer] = asyncio.create_task(send(peer), name=f"upm-push-{rot.boundary}-{rot.epoch}")
 
-    async def _replicas(self, stage: int, max_age: float = RECORDS_MAX_AGE_S) -> list[StageRecord]:
-        """The stage's records, read again when older than ``max_age`` seconds."""
+    async def _replicas(self, stage: int, max_age: Optional[float] = None) -> list[StageRecord]:
+        """The stage's records, read again when older than ``max_age`` seconds (default ``RECORDS_MAX_AGE_S``). The
+        node's replica sync and next hop keep their stages' records younger than that, so of the reads this protocol
+        needs only the previous stage's reach the DHT."""
         if not 0 <= stage < self.manifest.n_stages:
             return []
-        at, recs = self._records.get(stage, (-math.inf, []))
-        if time.monotonic() - at > max_age:
-            m = self.manifest
-            recs = await self.hooks.run_io(read_stage, self.hooks.dht, m.run_id, stage, m.hash)
-            self._records[stage] = (time.monotonic(), recs)
-        return recs
+        return await self.hooks.records(stage, RECORDS_MAX_AGE_S if max_age is None else max_age)
 
     def summary(self) -> dict:
         ledger = self.hooks.ledger()

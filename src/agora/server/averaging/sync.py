@@ -41,6 +41,7 @@ from agora.server.averaging.tied import TiedExchange
 from agora.server.averaging.warmup_brake import WarmupBrake
 from agora.server.observers import Observers
 from agora.server.runtime import StageRuntime, trim_heap
+from agora.server.stage_records import StageRecords
 
 logger = logging.getLogger("agora.averaging")
 
@@ -184,6 +185,13 @@ class SyncContext:
     observers: Observers
     clip_wait_s: float = CLIP_WAIT_MIN_S  # how long a step waits for the other stages' gradient norms (averaging/clip.py)
     state_bytes: int = 0  # about what a ``get_state`` download of this stage moves (its download timeouts scale with it)
+    # the node's reads of stage records, shared with its other parts (None: reads of this sync's own)
+    records: Optional[StageRecords] = None
+
+    def __post_init__(self) -> None:
+        if self.records is None:
+            m = self.manifest
+            self.records = StageRecords(lambda stage: self.run_io(read_stage, self.dht, m.run_id, stage, m.hash))
 
     @property
     def state_page_timeout_s(self) -> float:
@@ -315,8 +323,8 @@ class ReplicaSync:
 
     # ------------------------------------------------------------------ reading the replicas
     async def replicas(self) -> list[StageRecord]:
-        c, m = self.ctx, self.ctx.manifest
-        recs = await c.run_io(read_stage, c.dht, m.run_id, c.stage_index, m.hash)
+        c = self.ctx
+        recs = await c.records.get(c.stage_index)
         self.replica_ids = {r.peer_id for r in recs if r.peer_id != c.peer_id}
         others = [r for r in recs if r.peer_id != c.peer_id and not self._is_unresponsive(r.peer_id)]
         self._note_replicas(others)
