@@ -143,6 +143,56 @@ def test_upm_reads_only_records_older_than_it_allows(monkeypatch):
     asyncio.run(main())
 
 
+def test_upm_reads_the_previous_stage_less_often_than_its_own(monkeypatch):
+    """A node of stage 1 relays the rotations of boundary 0 to stage 0 as well. Nothing else in the node reads stage
+    0, so those reads reach the DHT: they are made only when the view is older than ``PREVIOUS_STAGE_MAX_AGE_S``,
+    while its own stage is read again past ``RECORDS_MAX_AGE_S``."""
+    import torch
+
+    from agora.config import load_manifest
+    from agora.model import Stage
+    from agora.server import upm
+
+    man = load_manifest("tiny").with_overrides(**{"security.upm": {"every_s": 3600.0}})
+    dht = FakeDHT()
+    dht.served = {0: [StageRecord(p, 0, PeerState.SERVING.value, man.hash) for p in ("drawer", "other")],
+                  1: [StageRecord(p, 1, PeerState.SERVING.value, man.hash) for p in ("me", "twin")]}
+    cache = StageRecords(dht.read)
+    ledger = upm.FrameLedger(Stage(man, 1))
+    assert ledger.sides() == [0]
+    ledger.accept(upm.Rotation(0, 1, 0, torch.eye(ledger.width, dtype=torch.float64), "drawer"))
+    sent: list[str] = []
+
+    async def fake_call(p2p, peer, run_id, method, meta, tensors, timeout):
+        sent.append(peer)
+        return {"verdict": "accepted"}, []
+
+    monkeypatch.setattr(upm.transport, "call", fake_call)
+    monkeypatch.setattr(upm, "PUSH_EVERY_S", 0.0)
+    hooks = upm.RotationHooks(peer_id="me", p2p=lambda: None, records=cache.get, run_io=None, run_compute=None,
+                              ledger=lambda: ledger, stage=lambda: 1, step=lambda: 0, is_serving=lambda: True,
+                              is_stopping=lambda: False, log_event=lambda *a, **k: None)
+    rotations = upm.Rotations(man, hooks)
+
+    async def main():
+        await rotations.tick()
+        await asyncio.sleep(0.05)
+        assert sorted(sent) == ["drawer", "other", "twin"] and sorted(dht.reads) == [0, 1]
+        monkeypatch.setattr(upm, "RECORDS_MAX_AGE_S", 0.01)
+        dht.served[0].append(StageRecord("joiner", 0, PeerState.SERVING.value, man.hash))
+        await asyncio.sleep(0.05)
+        await rotations.tick()
+        await asyncio.sleep(0.05)
+        assert sorted(dht.reads) == [0, 1, 1]  # its own stage read again, the previous one not yet
+        assert "joiner" not in sent
+        monkeypatch.setattr(upm, "PREVIOUS_STAGE_MAX_AGE_S", 0.01)
+        await rotations.tick()
+        await asyncio.sleep(0.05)
+        assert sorted(dht.reads) == [0, 0, 1, 1, 1] and "joiner" in sent
+
+    asyncio.run(main())
+
+
 def test_a_live_node_serves_the_protocols_reads_from_what_its_other_parts_read():
     """Two real nodes with UPM: the head's protocol asks for records every tick (pushing its rotation until the tail
     acknowledges, then relaying it) and the node's ``StageRecords`` answers part of those requests without a DHT

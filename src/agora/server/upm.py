@@ -45,6 +45,11 @@ PUSH_EVERY_S = 1.0  # how often a holder of an unacknowledged rotation sends it 
 # once a second on every node for the pushes, they slowed a 2-core swarm by a third. Membership changes slowly; a
 # replica that joins meanwhile gets a rotation at most this much later (or its state download carries it).
 RECORDS_MAX_AGE_S = 5.0
+# The previous stage's records are read for this protocol alone (the replica sync keeps its own stage's fresh, the
+# next hop the next stage's), to relay the rotations of the input boundary back to its drawers' stage. That stage's
+# replicas get those rotations from the drawer and from each other, whose views of their own stage are fresh: this
+# node is a second path only, so its view may be older. A sender missing from it is still looked up at once.
+PREVIOUS_STAGE_MAX_AGE_S = 30.0
 CALL_TIMEOUT_S = 5.0  # plus the rotation's transfer time at the slowest rate a server accepts (push_timeout_s)
 
 
@@ -451,12 +456,16 @@ class Rotations:
             state.sending[peer] = asyncio.create_task(send(peer), name=f"upm-push-{rot.boundary}-{rot.epoch}")
 
     async def _replicas(self, stage: int, max_age: Optional[float] = None) -> list[StageRecord]:
-        """The stage's records, read again when older than ``max_age`` seconds (default ``RECORDS_MAX_AGE_S``). The
-        node's replica sync and next hop keep their stages' records younger than that, so of the reads this protocol
-        needs only the previous stage's reach the DHT."""
+        """The stage's records, read again when older than ``max_age`` seconds (default ``RECORDS_MAX_AGE_S``, and
+        ``PREVIOUS_STAGE_MAX_AGE_S`` for the stage before this node's). The node's replica sync and next hop keep
+        their stages' records younger than that, so of the reads this protocol needs only the previous stage's
+        reach the DHT, at most every ``PREVIOUS_STAGE_MAX_AGE_S``."""
         if not 0 <= stage < self.manifest.n_stages:
             return []
-        return await self.hooks.records(stage, RECORDS_MAX_AGE_S if max_age is None else max_age)
+        if max_age is None:
+            here = self.hooks.stage()
+            max_age = PREVIOUS_STAGE_MAX_AGE_S if here is not None and stage < here else RECORDS_MAX_AGE_S
+        return await self.hooks.records(stage, max_age)
 
     def summary(self) -> dict:
         ledger = self.hooks.ledger()
