@@ -14,6 +14,7 @@ from agora.net import transport
 from agora.net.records import StageRecord
 from agora.net.transport import RpcError
 from agora.server.averaging.tied import HEDGE_MIN_S, TiedExchange
+from agora.server.stage_records import StageRecords
 
 MAN = load_manifest("tiny").with_overrides(**{
     "residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32", "model.tie_embeddings": True,
@@ -23,11 +24,11 @@ MAN = load_manifest("tiny").with_overrides(**{
 def _exchange(peers: list[str]) -> TiedExchange:
     records = [StageRecord(peer_id=p, stage=1, state="serving", manifest_hash=MAN.hash) for p in peers]
 
-    async def run_io(fn, *args):  # the records of the other end, whatever is read
+    async def read(stage):  # the records of the other end, whatever is read
         return records
 
     ctx = SimpleNamespace(manifest=MAN, runtime=SimpleNamespace(stage=Stage(MAN, 0)), stage_index=0, p2p=None,
-                          dht=None, run_io=run_io, is_serving=lambda: True, averaging_timeout_s=20.0)
+                          dht=None, records=StageRecords(read), is_serving=lambda: True, averaging_timeout_s=20.0)
     return TiedExchange(ctx)
 
 

@@ -20,7 +20,7 @@ from typing import Any, Collection, Optional
 
 import torch
 
-from agora.net.records import PeerState, announce, read_stage, read_subkeys, stage_medians
+from agora.net.records import PeerState, announce, read_subkeys, stage_medians
 
 logger = logging.getLogger("agora.averaging")
 
@@ -163,7 +163,7 @@ class GlobalClip:
         c, empty = self.ctx, []
         for stage in stages:
             try:
-                records = await c.run_io(read_stage, c.dht, c.manifest.run_id, stage, c.manifest.hash)
+                records = await c.records.get(stage)  # now (or a read of it under way, shared with the node)
             except Exception:  # noqa: BLE001 (a slow read: keep waiting until the deadline)
                 continue
             if not any(r.state == PeerState.SERVING.value for r in records):

@@ -20,7 +20,7 @@ import torch
 from agora.model import tied_parameter
 from agora.net import transport
 from agora.net.protocol import TIED_GRAD
-from agora.net.records import PeerState, read_stage
+from agora.net.records import PeerState
 from agora.net.state_transfer import PAGE_BYTES
 from agora.net.transport import RpcError
 
@@ -31,6 +31,7 @@ KEEP_STEPS = 2  # offered gradients kept for late askers (each is vocab x d_mode
 # be frozen: another one is asked as well (a large matrix is then sent twice, so not sooner).
 HEDGE_FACTOR = 4.0
 HEDGE_MIN_S = 2.0
+RECORDS_MAX_AGE_S = 1.0  # how old the other end's records may be when a fetch picks whom to ask
 
 
 class TiedExchange:
@@ -96,7 +97,9 @@ class TiedExchange:
         rows_per_page = max(1, PAGE_BYTES // (4 * self.shape[1]))
         while time.monotonic() < deadline and c.is_serving():
             try:
-                records = await c.run_io(read_stage, c.dht, c.manifest.run_id, self.other_stage, c.manifest.hash)
+                # up to a second old: the other end's replicas change far more slowly than steps come, and with
+                # two stages it is the next stage, whose records the next hop keeps that fresh anyway
+                records = await c.records.get(self.other_stage, RECORDS_MAX_AGE_S)
             except Exception as err:  # a DHT hiccup: try again until the deadline
                 logger.debug(f"reading stage {self.other_stage} failed: {err!r}")
                 records = []
