@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-
 from agora.net.records import PeerState, StageRecord
 from agora.server.stage_records import StageRecords
 
