@@ -97,8 +97,8 @@ class TiedExchange:
         rows_per_page = max(1, PAGE_BYTES // (4 * self.shape[1]))
         while time.monotonic() < deadline and c.is_serving():
             try:
-                # up to a second old: the other end's replicas change far more slowly than steps come, and with
-                # two stages it is the next stage, whose records the next hop keeps that fresh anyway
+                # up to a second old: the other end's replicas change far more slowly than steps come (and for the
+                # head of a two-stage pipeline it is the next stage, whose records the next hop keeps that fresh)
                 records = await c.records.get(self.other_stage, RECORDS_MAX_AGE_S)
             except Exception as err:  # a DHT hiccup: try again until the deadline
                 logger.debug(f"reading stage {self.other_stage} failed: {err!r}")
