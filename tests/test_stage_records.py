@@ -97,10 +97,10 @@ def test_a_failed_read_reaches_every_caller_and_keeps_the_older_records():
     asyncio.run(main())
 
 
-def test_upm_reads_only_records_older_than_it_allows(monkeypatch):
-    """The rotation protocol's reads go through the node's ``StageRecords``: records another part of the node read a
-    moment ago (the replica sync its own stage, the next hop the next stage) cost the protocol no DHT read; records
-    older than ``RECORDS_MAX_AGE_S`` are read again."""
+def _rotations_of(monkeypatch, stage: int, served: dict[int, list[str]], drawer: str):
+    """The rotation protocol of node "me" at ``stage`` (``tiny``), holding rotation 1 of boundary 0 drawn by
+    ``drawer``, its records read through a ``StageRecords`` over a fake DHT serving ``served`` (stage -> peers), its
+    pushes recorded instead of sent. Returns ``(protocol, records, fake DHT, peers pushed to)``."""
     import torch
 
     from agora.config import load_manifest
@@ -108,13 +108,12 @@ def test_upm_reads_only_records_older_than_it_allows(monkeypatch):
     from agora.server import upm
 
     man = load_manifest("tiny").with_overrides(**{"security.upm": {"every_s": 3600.0}})
-    served = {0: [StageRecord(p, 0, PeerState.SERVING.value, man.hash) for p in ("me", "twin")],
-              1: [StageRecord("next", 1, PeerState.SERVING.value, man.hash)]}
     dht = FakeDHT()
-    dht.served = served
+    dht.served = {s: [StageRecord(p, s, PeerState.SERVING.value, man.hash) for p in peers]
+                  for s, peers in served.items()}
     cache = StageRecords(dht.read)
-    ledger = upm.FrameLedger(Stage(man, 0))
-    ledger.accept(upm.Rotation(0, 1, 0, torch.eye(ledger.width, dtype=torch.float64), "me"))
+    ledger = upm.FrameLedger(Stage(man, stage))
+    ledger.accept(upm.Rotation(0, 1, 0, torch.eye(ledger.width, dtype=torch.float64), drawer))
     sent: list[str] = []
 
     async def fake_call(p2p, peer, run_id, method, meta, tensors, timeout):
@@ -122,10 +121,20 @@ def test_upm_reads_only_records_older_than_it_allows(monkeypatch):
         return {"verdict": "accepted"}, []
 
     monkeypatch.setattr(upm.transport, "call", fake_call)
+    monkeypatch.setattr(upm, "PUSH_EVERY_S", 0.0)
     hooks = upm.RotationHooks(peer_id="me", p2p=lambda: None, records=cache.get, run_io=None, run_compute=None,
-                              ledger=lambda: ledger, stage=lambda: 0, step=lambda: 0, is_serving=lambda: True,
+                              ledger=lambda: ledger, stage=lambda: stage, step=lambda: 0, is_serving=lambda: True,
                               is_stopping=lambda: False, log_event=lambda *a, **k: None)
-    rotations = upm.Rotations(man, hooks)
+    return upm.Rotations(man, hooks), cache, dht, sent
+
+
+def test_upm_reads_only_records_older_than_it_allows(monkeypatch):
+    """The rotation protocol's reads go through the node's ``StageRecords``: records another part of the node read a
+    moment ago (the replica sync its own stage, the next hop the next stage) cost the protocol no DHT read; records
+    older than ``RECORDS_MAX_AGE_S`` are read again."""
+    from agora.server import upm
+
+    rotations, cache, dht, sent = _rotations_of(monkeypatch, 0, {0: ["me", "twin"], 1: ["next"]}, drawer="me")
 
     async def main():
         await cache.get(0)  # the replica sync's read of its stage
@@ -145,39 +154,17 @@ def test_upm_reads_the_previous_stage_less_often_than_its_own(monkeypatch):
     """A node of stage 1 relays the rotations of boundary 0 to stage 0 as well. Nothing else in the node reads stage
     0, so those reads reach the DHT: they are made only when the view is older than ``PREVIOUS_STAGE_MAX_AGE_S``,
     while its own stage is read again past ``RECORDS_MAX_AGE_S``."""
-    import torch
-
-    from agora.config import load_manifest
-    from agora.model import Stage
     from agora.server import upm
 
-    man = load_manifest("tiny").with_overrides(**{"security.upm": {"every_s": 3600.0}})
-    dht = FakeDHT()
-    dht.served = {0: [StageRecord(p, 0, PeerState.SERVING.value, man.hash) for p in ("drawer", "other")],
-                  1: [StageRecord(p, 1, PeerState.SERVING.value, man.hash) for p in ("me", "twin")]}
-    cache = StageRecords(dht.read)
-    ledger = upm.FrameLedger(Stage(man, 1))
-    assert ledger.sides() == [0]
-    ledger.accept(upm.Rotation(0, 1, 0, torch.eye(ledger.width, dtype=torch.float64), "drawer"))
-    sent: list[str] = []
-
-    async def fake_call(p2p, peer, run_id, method, meta, tensors, timeout):
-        sent.append(peer)
-        return {"verdict": "accepted"}, []
-
-    monkeypatch.setattr(upm.transport, "call", fake_call)
-    monkeypatch.setattr(upm, "PUSH_EVERY_S", 0.0)
-    hooks = upm.RotationHooks(peer_id="me", p2p=lambda: None, records=cache.get, run_io=None, run_compute=None,
-                              ledger=lambda: ledger, stage=lambda: 1, step=lambda: 0, is_serving=lambda: True,
-                              is_stopping=lambda: False, log_event=lambda *a, **k: None)
-    rotations = upm.Rotations(man, hooks)
+    rotations, cache, dht, sent = _rotations_of(monkeypatch, 1, {0: ["drawer", "other"], 1: ["me", "twin"]},
+                                                drawer="drawer")
 
     async def main():
         await rotations.tick()
         await asyncio.sleep(0.05)
         assert sorted(sent) == ["drawer", "other", "twin"] and sorted(dht.reads) == [0, 1]
         monkeypatch.setattr(upm, "RECORDS_MAX_AGE_S", 0.01)
-        dht.served[0].append(StageRecord("joiner", 0, PeerState.SERVING.value, man.hash))
+        dht.served[0].append(StageRecord("joiner", 0, PeerState.SERVING.value, dht.served[0][0].manifest_hash))
         await asyncio.sleep(0.05)
         await rotations.tick()
         await asyncio.sleep(0.05)
