@@ -214,6 +214,10 @@ class _Side:
         self.apply, self.apply_sq = apply, apply_sq
         # a signed permutation (``signed``): ``_transform`` then moves only the entries it changes, in place
         self.perm, self.on_left = perm, on_left
+        self._moved: Optional[Tensor] = None  # its indices that it moves or flips (computed once per side)
+        if perm is not None:
+            src, sign = perm
+            self._moved = ((src != torch.arange(src.numel(), device=src.device)) | (sign != 1)).nonzero().flatten()
 
     @staticmethod
     def dense(x: Tensor, on_left: bool) -> "_Side":
@@ -236,10 +240,9 @@ class _Side:
         coordinate basis a frame moves k of the d coordinates, so this touches k/d of each tensor instead of
         copying all of it through float64 several times (a rotation of `small`'s tail took 124 ms of CPU so)."""
         src, sign = self.perm
-        src = src.to(t.device)
-        moved = ((src != torch.arange(src.numel(), device=t.device)) | (sign.to(t.device) != 1)).nonzero().flatten()
-        if moved.numel() == 0:
+        if self._moved.numel() == 0:
             return
+        src, moved = src.to(t.device), self._moved.to(t.device)
         flip = None if square else sign.to(device=t.device, dtype=t.dtype)[moved]
         if self.on_left:
             rows = t[src[moved]]  # a copy: read before any row is written

@@ -3,8 +3,8 @@
 A DHT read costs CPU in every DHT peer it touches, not only in the reader. The replica sync reads its own stage a few
 times a second and the next hop reads the next stage every second; the UPM protocol needs the same records (any age
 up to 5 s) and, before this cache, read them again itself: with a transform every 5 s on a 2-core `small` swarm the
-DHT processes used 13.5% more CPU than without UPM, 7.4% since (docs/UPM.md). Here a part states how old the records
-it may use are; a read that is already under way is shared instead of repeated.
+DHT processes used 13.5% more CPU than without UPM, 7.4% with the cache (docs/UPM.md, "Whose records"). Here a part
+states how old the records it may use are; a read that is already under way is shared instead of repeated.
 """
 
 from __future__ import annotations
