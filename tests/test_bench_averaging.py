@@ -3,7 +3,7 @@ each arm with ``full`` under the same condition (the swarm runs themselves are t
 
 import pytest
 
-from agora.bench.averaging import SCHEMES, AveragingOptions, summarize
+from agora.bench.averaging import SCHEMES, AveragingOptions, known_scheme, summarize
 from agora.lab.demo_setup import averaging_section
 
 
@@ -16,6 +16,14 @@ def test_every_scheme_is_a_valid_averaging_spec():
         assert section["scheme"] == scheme.split("_")[0], (scheme, section)
     with pytest.raises(ValueError, match="unknown scheme"):
         opts.averaging_spec("allreduce")
+    # A codec after diloco or gossip; the manifest validates the combination (gossip takes float16 only).
+    from agora.config import load_manifest
+    assert opts.averaging_spec("diloco+uint8") == "diloco,every=5,codec=uint8"
+    assert load_manifest("tiny").with_overrides(
+        averaging=averaging_section(opts.averaging_spec("gossip_q1+float16"))).averaging.codec == "float16"
+    assert known_scheme("diloco+float16") and not known_scheme("full+float16") and not known_scheme("diloco+int4")
+    with pytest.raises(ValueError, match="only follows diloco or gossip"):
+        opts.averaging_spec("powersgd+float16")
 
 
 def test_the_summary_compares_with_full_under_the_same_condition():

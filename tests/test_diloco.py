@@ -211,3 +211,102 @@ def test_a_diloco_swarm_learns_through_a_pipeline_and_every_inner_step_is_a_new_
     # stages' weight snapshots key on this version.
     for i in range(2):
         assert all(later[i] > earlier[i] for earlier, later in zip(versions, versions[1:])), versions
+
+
+def test_codec_settings_are_validated_and_leave_other_hashes_alone():
+    assert _diloco(4).with_overrides(**{"averaging.codec": "uint8"}).averaging.resync_every == 8
+    with pytest.raises(ManifestError, match="codec only applies to schemes 'diloco' and 'gossip'"):
+        BASE.with_overrides(averaging={"scheme": "full", "codec": "float16"})
+    with pytest.raises(ManifestError, match="resync_every only applies"):
+        BASE.with_overrides(averaging={"scheme": "diloco", "resync_every": 4})
+    with pytest.raises(ManifestError, match="clamp every weight"):
+        BASE.with_overrides(averaging={"scheme": "gossip", "codec": "uint8"})
+    with pytest.raises(ManifestError):
+        BASE.with_overrides(averaging={"scheme": "diloco", "codec": "int4"})
+    assert "codec" not in _diloco(4).canonical_json()  # the fields came later: DiLoCo manifests keep their hash
+    coded = _diloco(4).with_overrides(**{"averaging.codec": "float16"})
+    assert "codec" in coded.canonical_json() and coded.hash != _diloco(4).hash
+
+
+@pytest.mark.parametrize("codec", ["float16", "uint8"])
+def test_the_wire_codecs_round_trip_within_their_rounding_through_hivemind(codec):
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+    from agora.server.averaging.allreduce import MIN_QUANTIZED_VALUES, CountingCompression
+
+    comp = CountingCompression(codec)
+    torch.manual_seed(0)
+    big = torch.randn(10_000) * 0.02 + 0.5
+    for tensor in (big, torch.zeros(5000), torch.full((5000,), 3.0), torch.randn(10).double()):
+        message = comp.compress(tensor, CompressionInfo.from_tensor(tensor))
+        back = deserialize_torch_tensor(message)  # as the reducer decodes it: by the part's own type
+        assert back.dtype == tensor.dtype and back.shape == tensor.shape
+        if codec == "float16" or tensor.numel() < MIN_QUANTIZED_VALUES:
+            assert torch.allclose(back, tensor, rtol=2 ** -10, atol=1e-7)
+        elif float(tensor.std()) == 0:
+            assert torch.equal(back, tensor)  # one bin, decoded to its mean: exact
+        else:  # 256 bins over 6 standard deviations, each decoded to the mean of its values; beyond 3 the edge bins
+            err, sigma = (back - tensor).abs(), float(tensor.std())  # hold the outliers, whose error is their excess
+            inside = (tensor - tensor.mean()).abs() < 2.9 * sigma
+            assert float(err.mean()) < 6 * sigma / 256 / 2 and float(err[inside].max()) <= 6 * sigma / 256
+    per_value = {"float16": 2, "uint8": 1}[codec]
+    assert len(comp.compress(big, CompressionInfo.from_tensor(big)).buffer) <= per_value * big.numel() + 1032
+
+
+@pytest.mark.parametrize("codec", ["float16", "uint8"])
+def test_compressed_rounds_step_on_the_averaged_pseudo_gradient_and_exact_rounds_reunite_the_replicas(codec):
+    lr, mu = 0.7, 0.9
+    man = _diloco(1, lr, mu).with_overrides(**{"averaging.codec": codec, "averaging.resync_every": 2})
+
+    async def main():
+        async with local_swarm(man, [0, 0], OPTS) as (boot, peers, nodes):
+            a, b = nodes
+            ends: dict[int, dict[str, list]] = {}
+            for node in nodes:
+                node.observers.subscribe("outer_round_start", lambda step, params, pid=node.peer_id: ends.setdefault(
+                    step, {}).__setitem__(pid, [p.detach().clone() for p in params]))
+            deadline = time.monotonic() + 30
+            while min([len(await x.sync.replicas()) for x in nodes]) < 1:
+                assert time.monotonic() < deadline, "replicas never saw each other"
+                await asyncio.sleep(0.2)
+            state = {n.peer_id: ([t.clone() for t in n.sync.outer], [t.clone() for t in n.sync.momentum])
+                     for n in nodes}
+            errors = []
+            for step in range(1, 5):
+                compressed = step % 2 == 1  # round k = step (every = 1); every 2nd round is exact
+                assert a.sync.codec_at(step) is b.sync.codec_at(step) is compressed
+                for i, x in enumerate(nodes):
+                    await x.run_compute(feed_fake_gradients, x, 10 * step + i)
+                await wait_until(lambda: a.step == b.step == step and a.sync.averaging_step == b.sync.averaging_step
+                                 == -1 and a.sync.stepping is b.sync.stepping is False, 30, f"step {step}")
+                end = list(ends[step].values())
+                if compressed:  # each replica: its own outer state, stepped on the mean pseudo-gradient
+                    for n in nodes:
+                        outer, mom = state[n.peer_id]
+                        deltas = [sum(outer[i].double() - e[i].double() for e in end) / 2 for i in range(len(outer))]
+                        want, _ = _expected_outer(outer, mom, [[o.double() - d for o, d in zip(outer, deltas)]], lr, mu)
+                        for p, w, d in zip(n.stage.parameters(), want, deltas):
+                            scale = float(d.abs().max()) or 1.0
+                            errors.append(float((p.double() - w).abs().max()) / scale)
+                else:  # exact: the average of the two proposals, bit-identical on both
+                    outer = [(x.double() + y.double()) / 2 for x, y in zip(state[a.peer_id][0], state[b.peer_id][0])]
+                    mom = [(x.double() + y.double()) / 2 for x, y in zip(state[a.peer_id][1], state[b.peer_id][1])]
+                    want, _ = _expected_outer(outer, mom, end, lr, mu)
+                    for x, y, w in zip(a.stage.parameters(), b.stage.parameters(), want):
+                        assert torch.equal(x, y) and torch.allclose(x.double(), w, atol=2e-6), f"step {step}"
+                    assert all(torch.equal(x, y) for x, y in zip(a.sync.momentum, b.sync.momentum))
+                    assert a.sync.fingerprint == b.sync.fingerprint
+                state = {n.peer_id: ([t.clone() for t in n.sync.outer], [t.clone() for t in n.sync.momentum])
+                         for n in nodes}
+            return a, b, errors
+
+    a, b, errors = asyncio.run(main())
+    # Against the largest pseudo-gradient element: float16's rounding, or uint8's 256 bins over 6 standard
+    # deviations (taking one replica's own pseudo-gradient instead of the mean is off by ~lr (1 + mu) / 2).
+    assert max(errors) < {"float16": 1e-3, "uint8": 0.1}[codec], max(errors)
+    for s in (a.sync, b.sync):
+        assert s.rounds_ok == 4 and s.codec_rounds == 2 and s.outer_rounds_alone == 0
+    elements = sum(p.numel() for p in a.stage.parameters())
+    together = [x + y for x, y in zip(a.sync.round_bytes, b.sync.round_bytes)]
+    assert together[1] == together[3] == 2 * 8 * elements  # exact: parameters and momentum in float64
+    bound = {"float16": 2 * elements, "uint8": 1.2 * elements}[codec]  # the pseudo-gradient: 2 B or ~1 B each
+    assert together[0] <= bound and together[2] <= bound, (together, elements)

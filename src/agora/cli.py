@@ -482,7 +482,9 @@ def bench_averaging(
     steps: int = typer.Option(12, min=1, help="optimizer steps' worth of tokens per arm (equal for every arm)"),
     seeds: str = typer.Option("0", help="comma-separated seeds"),
     schemes: str = typer.Option(",".join(("full", "powersgd", "sparse", "diloco", "gossip_q0", "gossip_q1",
-                                          "gossip_q3")), help="comma-separated subset"),
+                                          "gossip_q3")),
+                                 help="comma-separated subset; diloco and gossip arms may name a codec: "
+                                 "diloco+float16, gossip_q1+uint8"),
     conditions: str = typer.Option("clean,capped,kill", help="comma-separated subset of clean, capped, kill"),
     every: int = typer.Option(4, min=1, help="inner steps per outer round (diloco, gossip); sparse's round period"),
     link_mbps: float = typer.Option(4.0, min=0.01, help="capped: every peer's uplink"),
@@ -490,14 +492,15 @@ def bench_averaging(
 ) -> None:
     """The averaging schemes side by side at equal tokens, clean, over capped links and under replica kills:
     validation loss, training time, utilisation, averaging bytes per step, consensus distance, stalls."""
-    from agora.bench.averaging import CONDITIONS, SCHEMES, AveragingOptions, run
+    from agora.bench.averaging import CODECS, CONDITIONS, SCHEMES, AveragingOptions, known_scheme, run
 
     _manifest(preset)
     try:
         seed_list, chosen, conds = _listed(seeds, int), _listed(schemes), _listed(conditions)
-        bad = [x for x in chosen if x not in SCHEMES] + [x for x in conds if x not in CONDITIONS]
+        bad = [x for x in chosen if not known_scheme(x)] + [x for x in conds if x not in CONDITIONS]
         if bad or not seed_list or not chosen or not conds:
-            raise ValueError(f"unknown {bad}; schemes: {list(SCHEMES)}, conditions: {list(CONDITIONS)}" if bad
+            raise ValueError(f"unknown {bad}; schemes: {list(SCHEMES)} (diloco and gossip with +codec, codecs "
+                             f"{list(CODECS)}), conditions: {list(CONDITIONS)}" if bad
                              else "give at least one seed, scheme and condition")
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")

@@ -27,6 +27,13 @@ from agora.lab.demo import ChaosOptions, DemoOptions, LinkOptions, StopRule, Swa
 from agora.lab.train_local import train_local
 
 SCHEMES = ("full", "powersgd", "sparse", "diloco", "gossip_q0", "gossip_q1", "gossip_q3")
+CODECS = ("float16", "uint8")  # an arm "diloco+uint8", "gossip_q1+float16": that scheme with ``averaging.codec``
+
+
+def known_scheme(arm: str) -> bool:
+    """Whether ``arm`` names a scheme of ``SCHEMES``, optionally ``+codec`` for diloco and gossip."""
+    scheme, plus, codec = arm.partition("+")
+    return scheme in SCHEMES and (not plus or (codec in CODECS and scheme.startswith(("diloco", "gossip"))))
 CONDITIONS = ("clean", "capped", "kill")
 SWARM_TIMEOUT_S = 7200
 
@@ -46,7 +53,12 @@ class AveragingOptions:
     in_flight: int = 2
     val_batches: int = 4
 
-    def averaging_spec(self, scheme: str) -> str:
+    def averaging_spec(self, arm: str) -> str:
+        scheme, plus, codec = arm.partition("+")
+        if plus:
+            if not known_scheme(arm):
+                raise ValueError(f"unknown arm {arm!r}: a codec ({', '.join(CODECS)}) only follows diloco or gossip")
+            return f"{self.averaging_spec(scheme)},codec={codec}"
         if scheme == "full":
             return scheme
         if scheme == "powersgd":
@@ -64,7 +76,7 @@ class AveragingOptions:
 
 def run(out: Path, options: Optional[AveragingOptions] = None, log: Callable[[str], None] = print) -> dict:
     opts = options or AveragingOptions()
-    bad = [s for s in opts.schemes if s not in SCHEMES] + [c for c in opts.conditions if c not in CONDITIONS]
+    bad = [s for s in opts.schemes if not known_scheme(s)] + [c for c in opts.conditions if c not in CONDITIONS]
     if bad or not opts.seeds or opts.steps < 1:
         raise ValueError(f"unknown {bad}" if bad else "give at least one seed and one step")
     out = Path(out)

@@ -258,6 +258,11 @@ class AveragingConfig(_Strict):
       every round identical and differ in between; ``1/every`` of ``full``'s rounds, each twice its size.
     * ``gossip``: factored gossip DiLoCo. As ``diloco``, but the exact average becomes pairwise exchanges: the
       phase start mixed with one partner in the background (Mix1), then ``q`` blocking ring rounds (Mix2).
+
+    ``codec`` (diloco, gossip): ``float16`` or ``uint8`` compress what a round sends. DiLoCo then averages the
+    pseudo-gradient alone (float32, compressed) and every replica takes the outer step from it; replicas drift apart by
+    the codec's rounding, and every ``resync_every``-th outer round is the exact one that pulls them together. Gossip
+    exchanges its parameters compressed (docs/AVERAGING.md, "Compressed rounds").
     """
 
     scheme: Literal["full", "powersgd", "sparse", "diloco", "gossip"] = "full"
@@ -275,6 +280,12 @@ class AveragingConfig(_Strict):
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="DiLoCo outer learning rate (diloco only)")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="DiLoCo outer Nesterov momentum (diloco only)")
     q: int = Field(default=1, ge=0, le=4, description="blocking Mix2 ring rounds per outer step (gossip only)")
+    codec: Literal["none", "float16", "uint8"] = Field(
+        default="none", description="diloco/gossip: how a round's payload travels: none (exact), float16 or uint8 "
+        "(diloco: the pseudo-gradient alone, compressed; gossip: the parameters, float16 only)")
+    resync_every: int = Field(default=8, ge=1, le=100_000,
+                              description="diloco with a codec: every N-th outer round is exact (parameters and "
+                              "momentum in float64), so the codec's rounding cannot pull replicas apart for good")
     agreement_tolerance: float = Field(
         default=1e-5, ge=0, le=0.01,
         description="full/powersgd: replicas at one step whose sampled parameters differ by at most this relative "
@@ -311,6 +322,16 @@ class AveragingConfig(_Strict):
         if self.scheme not in ("full", "powersgd") and changed("agreement_tolerance"):
             raise ValueError(f"averaging.agreement_tolerance only applies to schemes 'full' and 'powersgd' (scheme is "
                              f"{self.scheme!r}: its replicas differ between rounds by design); remove it")
+        if self.scheme not in ("diloco", "gossip") and changed("codec"):
+            raise ValueError(f"averaging.codec only applies to schemes 'diloco' and 'gossip' (scheme is "
+                             f"{self.scheme!r}); remove it or set averaging.scheme: diloco or gossip")
+        if self.scheme == "gossip" and self.codec == "uint8":
+            raise ValueError("averaging.codec uint8 does not apply to scheme 'gossip': its exchanges carry parameters, "
+                             "and 256 levels per part clamp every weight beyond 3 standard deviations (the outliers a "
+                             "model keeps); use codec float16")
+        if (self.scheme != "diloco" or self.codec == "none") and changed("resync_every"):
+            raise ValueError("averaging.resync_every only applies to scheme 'diloco' with a codec (float16 or uint8); "
+                             "remove it or set averaging.codec")
         if self.scheme != "gossip" and changed("q"):
             raise ValueError(f"averaging.q only applies to scheme 'gossip' (scheme is {self.scheme!r}); remove it "
                              f"or set averaging.scheme: gossip")
@@ -440,6 +461,8 @@ class Manifest(_Strict):
                 del data["averaging"]["outer_lr"], data["averaging"]["outer_momentum"]
             if self.averaging.scheme != "gossip":
                 del data["averaging"]["q"]
+            if self.averaging.codec == "none":
+                del data["averaging"]["codec"], data["averaging"]["resync_every"]  # came later: hashes stay
         if self.training == TrainingConfig():
             del data["training"]  # the section came later: manifests without it keep their hash
         if self.optimizer.name not in ("muon", "numuon"):

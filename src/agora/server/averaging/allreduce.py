@@ -1,7 +1,8 @@
 """hivemind pieces behind the averaging schemes of ``agora.server.averaging.sync``: a byte counter, a two-phase averager.
 
-``CountingCompression`` is hivemind's ``NoCompression`` that also counts the payload bytes this peer serializes,
-i.e. what it puts on the wire per round; the counter is in shared memory because the all-reduce runs in the
+``CountingCompression`` is hivemind's wire compression of a round's parts (none for most schemes; float16 or uint8
+for DiLoCo and gossip with ``averaging.codec``) that also counts the payload bytes this peer serializes, i.e. what it
+puts on the wire per round; the counter is in shared memory because the all-reduce runs in the
 averager's background process and the ``ReplicaSync`` reads it in the node's.
 
 ``PowerSGDAverager`` runs both all-reduces of a PowerSGD round (P, then Q) in *one* matchmade group, because the
@@ -17,16 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.compression import CompressionInfo, NoCompression
+from hivemind.compression import (CompressionBase, CompressionInfo, Float16Compression, NoCompression,
+                                  Uniform8BitQuantization, deserialize_torch_tensor)
+from hivemind.compression import serialization as hivemind_serialization
+from hivemind.compression.quantization import average_buckets
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 
@@ -38,18 +44,81 @@ PHASE_P = b".P"
 PHASE_Q = b".Q"
 
 
-class CountingCompression(NoCompression):
-    """``NoCompression`` that adds the size of every serialized payload to a counter shared across processes."""
+CODECS = ("none", "float16", "uint8")  # ``averaging.codec``: how DiLoCo and gossip payloads travel
+MIN_QUANTIZED_VALUES = 2048  # a smaller part goes as float16: uint8 adds a 1 KiB codebook per part
 
-    def __init__(self) -> None:
+
+class Uniform8BitCodec(Uniform8BitQuantization):
+    """hivemind's ``UNIFORM_8BIT`` wire format (256 bins over 6 standard deviations around the mean; each bin
+    decodes to the mean of the values it holds), mended for what this install runs it with.
+
+    Why not hivemind's own: under numpy 2 its ``extract`` fails on every message (``int()`` of a one-element
+    array), its ``quantize`` uses ``torch.quantize_per_tensor`` (deprecated), and a part with zero spread gets a
+    zero scale. ``register_uint8_codec`` puts this class in hivemind's table of wire formats, which both ends of
+    every part (the sender and the reducer answering in the part's own format) look up."""
+
+    def quantize(self, tensor: torch.Tensor, allow_inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        values = tensor.detach().to(torch.float32).flatten()
+        centered = values - values.mean()
+        spread = float(centered.norm()) / math.sqrt(max(1, values.numel() - 1))
+        scale = self.RANGE_IN_SIGMAS * spread / self.n_bins if spread > 0 else 1.0
+        offset = self.n_bins // 2
+        bins = torch.clamp(torch.round(centered / scale) + offset, 0, self.n_bins - 1).to(torch.uint8)
+        lookup = average_buckets(values, bins, self.n_bins)
+        return bins.numpy().astype(self.indices_dtype), lookup.numpy().astype(self.codebook_dtype)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buffer, offset=8, count=size, dtype=self.codebook_dtype)
+        bins = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        out = torch.as_tensor(codebook.copy())[torch.as_tensor(bins.astype(np.int64))]
+        return out.reshape(tuple(serialized_tensor.size)).to(getattr(torch, serialized_tensor.dtype))
+
+
+def register_uint8_codec() -> None:
+    """Make hivemind encode and decode ``UNIFORM_8BIT`` parts with ``Uniform8BitCodec`` (idempotent; in this
+    process and, by fork, in the averagers it starts later)."""
+    table = hivemind_serialization._BASE_COMPRESSION_TYPES  # no public hook: the table is module-level
+    if not isinstance(table.get("UNIFORM_8BIT"), Uniform8BitCodec):
+        table["UNIFORM_8BIT"] = Uniform8BitCodec()
+
+
+class CountingCompression(CompressionBase):
+    """hivemind's wire compression for a round's payload (``codec``: ``none``, ``float16``: ``Float16Compression``,
+    ``uint8``: ``Uniform8BitCodec``), adding the size of every serialized part to a counter shared across
+    processes.
+
+    Every serialized part names its own compression type and the reducer answers in the same one, so ``uint8``
+    sends parts of fewer than ``MIN_QUANTIZED_VALUES`` values as float16."""
+
+    def __init__(self, codec: str = "none") -> None:
         super().__init__()
+        if codec not in CODECS:
+            raise ValueError(f"unknown averaging codec {codec!r}; choose from {list(CODECS)}")
+        self.codec = codec
+        if codec == "uint8":
+            register_uint8_codec()
+        self._base: CompressionBase = {"none": NoCompression(), "float16": Float16Compression(),
+                                       "uint8": Uniform8BitCodec()}[codec]
+        self._small = Float16Compression() if codec == "uint8" else self._base
+        self.compression_type = self._base.compression_type
         self._sent = mp.Value("q", 0)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        message = super().compress(tensor, info, allow_inplace)
+        base = self._base
+        if self._small is not base and tensor.numel() < MIN_QUANTIZED_VALUES:
+            base = self._small
+        message = base.compress(tensor, info, allow_inplace)
         with self._sent.get_lock():
             self._sent.value += len(message.buffer)
         return message
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return deserialize_torch_tensor(serialized_tensor)  # by the part's own compression type
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self._base.estimate_compression_ratio(info)
 
     @property
     def bytes_sent(self) -> int:

@@ -9,6 +9,12 @@ DiLoCo's update with the averaged pseudo-gradient; when they do not (one replica
 were gone), the same average pulls them back together, with no leader and no download. The price: a round carries
 parameters and momentum, twice a ``full`` round, once every ``every`` steps. The outer state lives in the runtime's
 ``sync_state``, so it travels with state downloads and checkpoints and a joiner continues the phase it joins.
+
+With ``averaging.codec`` (float16, uint8) a round averages the pseudo-gradient alone, compressed on the wire, and
+every replica takes the outer step from the average: 1/8 (float16) or ~1/16 (uint8) of an exact round's bytes. hivemind
+hands each member its own part plus the compressed difference to the average, so members end a compressed round
+apart by the codec's rounding, and nothing in such a round pulls them back; every ``resync_every``-th round (by
+step, so every replica agrees which) is therefore the exact round above (docs/AVERAGING.md, "Compressed rounds").
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 from agora.net.records import PeerState, StageRecord
 from agora.optim.outer import nesterov_outer_step
-from agora.server.averaging.allreduce import GuardedAverager
+from agora.server.averaging.allreduce import CountingCompression, GuardedAverager
 from agora.server.averaging.sync import ReplicaSync, SyncContext
 from agora.server.runtime import SYNC_PREFIX
 
@@ -44,6 +50,11 @@ class DiLoCoSync(ReplicaSync):
         self.momentum: list[torch.Tensor] = []
         self._adopt_outer_state()
         self.averager = self._make_payload_averager()
+        self.resync_every = cfg.resync_every
+        self.codec_compression = CountingCompression(cfg.codec)  # counts the compressed rounds' bytes
+        self.codec_averager = self._make_codec_averager() if cfg.codec != "none" else None
+        self._codec_round = False  # the round under way averages the compressed pseudo-gradient
+        self.codec_rounds = 0  # successful compressed rounds
         self._samples_since_round = 0  # this replica's weight in the next outer round
         self.outer_rounds_alone = 0  # outer steps taken without partners (none alive, or the round failed)
         self.outer_seconds = 0.0  # how long outer rounds blocked this replica, in all
@@ -52,6 +63,33 @@ class DiLoCoSync(ReplicaSync):
         shapes = [p.shape for p in self.ctx.runtime.stage.parameters()]
         payload = [torch.zeros(s, dtype=torch.float64) for s in shapes + shapes]  # outer params, then momentum
         return GuardedAverager(payload, self.ctx.dht, **self.averager_settings())
+
+    def _make_codec_averager(self) -> Optional[GuardedAverager]:
+        """The averager of the compressed rounds: the pseudo-gradient (float32), under its own key prefix."""
+        payload = [torch.zeros(p.shape, dtype=torch.float32) for p in self.ctx.runtime.stage.parameters()]
+        settings = {**self.averager_settings(), "prefix": f"{self.prefix}_codec",
+                    "compression": self.codec_compression}
+        return GuardedAverager(payload, self.ctx.dht, **settings)
+
+    def round_averager(self) -> GuardedAverager:
+        return self.codec_averager if self._codec_round else self.averager
+
+    def codec_at(self, step: int) -> bool:
+        """Whether the outer round after step ``step`` is a compressed one (else exact): every replica of the phase
+        computes the same answer from the step."""
+        return self.codec_averager is not None and (step // self.every) % self.resync_every != 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.compression.bytes_sent + self.codec_compression.bytes_sent
+
+    def shutdown(self) -> None:
+        if self.codec_averager is not None and not self.closed:
+            try:
+                self.codec_averager.shutdown()
+            except Exception as err:  # already gone: nothing left to release
+                logger.debug(f"codec averager shutdown: {err!r}")
+        super().shutdown()
 
     # ------------------------------------------------------------------ the outer state
     def _adopt_outer_state(self) -> None:
@@ -98,11 +136,28 @@ class DiLoCoSync(ReplicaSync):
                 bufs[i].copy_(new_outer)
                 bufs[n + i].copy_(new_mom)
 
-    def _apply_outer(self, averaged: bool) -> None:
+    def _load_pseudo_gradient(self, step: Optional[int] = None) -> None:
+        """Compute thread: our pseudo-gradient ``outer - local`` into the compressed round's buffers."""
+        local = self.ctx.runtime.trained_parameters()
+        if step is not None:
+            self.ctx.observers.emit("outer_round_start", step, local)
+        with self.codec_averager.get_tensors() as bufs, torch.no_grad():
+            for b, outer, p in zip(bufs, self.outer, local):
+                torch.sub(outer, p.detach().cpu().float(), out=b)
+
+    def _apply_outer(self, averaged: bool, compressed: bool = False) -> None:
         """Compute thread: move to the averaged outer state (or, without a round, to our own proposal, computed
-        again: a failed round may have left the buffers half-averaged, and a round we left may still hold them)."""
+        again: a failed round may have left the buffers half-averaged, and a round we left may still hold them).
+        ``compressed``: the round averaged pseudo-gradients; the outer step is taken from their average."""
         n = len(self.outer)
-        if averaged:
+        if averaged and compressed:
+            with self.codec_averager.get_tensors() as bufs, torch.no_grad():
+                steps = [nesterov_outer_step(outer, mom, outer.double() - b.double(), self.outer_lr,
+                                             self.outer_momentum) for outer, mom, b in zip(self.outer, self.momentum, bufs)]
+            for i, (new_outer, new_mom) in enumerate(steps):
+                self.outer[i].copy_(new_outer)
+                self.momentum[i].copy_(new_mom)
+        elif averaged:
             with self.averager.get_tensors() as bufs, torch.no_grad():
                 for i in range(n):
                     self.outer[i].copy_(bufs[i])
@@ -152,7 +207,9 @@ class DiLoCoSync(ReplicaSync):
         weight, self._samples_since_round = self._samples_since_round, 0
         result: Optional[dict] = None
         busy = self.averager_busy()  # a left round's all-reduce holds the buffers: this round is taken alone
-        await c.run_compute(self._own_proposal if busy else self._load_proposal, step)
+        compressed = self._codec_round = self.codec_at(step)
+        load = self._load_pseudo_gradient if compressed else self._load_proposal
+        await c.run_compute(self._own_proposal if busy else load, step)
         if not busy and await self._partners_left(step):
             self.averaging_step = step
             try:
@@ -171,16 +228,18 @@ class DiLoCoSync(ReplicaSync):
                 result = None
             if result is None:
                 self.rounds_failed += 1
-        await c.run_compute(self._apply_outer, result is not None)
+        await c.run_compute(self._apply_outer, result is not None, compressed)
+        self._codec_round = False
         seconds = time.monotonic() - t0
         group = len(result) if result is not None else 1
         if result is not None:
             self.rounds_ok += 1
+            self.codec_rounds += int(compressed)
             self.round_bytes.append(self.bytes_sent - sent_before)
         else:
             self.outer_rounds_alone += 1
         self.outer_seconds += seconds
         c.observers.emit("outer_round", result is not None, seconds, group)
-        c.log_event("outer_round", step=step, group=group, seconds=seconds, weight=weight)
-        logger.info(f"stage {c.stage_index}: outer step after step {step} with a group of {group} "
-                    f"({seconds:.2f}s{'' if result is not None else ', alone'})")
+        c.log_event("outer_round", step=step, group=group, seconds=seconds, weight=weight, compressed=compressed)
+        logger.info(f"stage {c.stage_index}: {'compressed ' if compressed else ''}outer step after step {step} with "
+                    f"a group of {group} ({seconds:.2f}s{'' if result is not None else ', alone'})")

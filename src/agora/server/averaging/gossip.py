@@ -27,7 +27,7 @@ import torch
 from agora.net.records import DHT_TIMEOUT_S, PeerState
 from agora.optim.gossip import exponential_edges
 from agora.optim.outer import nesterov_outer_step
-from agora.server.averaging.allreduce import GuardedAverager
+from agora.server.averaging.allreduce import CountingCompression, GuardedAverager
 from agora.server.averaging.diloco import DiLoCoSync
 from agora.server.averaging.sync import SyncContext
 
@@ -66,6 +66,9 @@ class GossipSync(DiLoCoSync):
         self.exchanges_ok = self.exchanges_failed = 0
 
     def _make_payload_averager(self) -> GuardedAverager:
+        # Every exchange carries parameters, compressed by ``averaging.codec`` (float16, uint8) if set: the pair
+        # ends apart by the codec's rounding of parameters, which later exchanges mix away (docs/AVERAGING.md).
+        self.compression = CountingCompression(self.ctx.manifest.averaging.codec)
         shapes = [p.shape for p in self.ctx.runtime.stage.parameters()]
         payload = [torch.zeros(s, dtype=torch.float32) for s in shapes]
         settings = {**self.averager_settings(), "target_group_size": 2, "initial_group_bits": pair_bits(0, 0, 0)}
@@ -120,6 +123,9 @@ class GossipSync(DiLoCoSync):
             return [b.clone() for b in bufs]
 
     # ------------------------------------------------------------------ Mix1, in the background
+    def _make_codec_averager(self) -> None:
+        return None  # a codec compresses the exchanges themselves (``_make_payload_averager``)
+
     def _start_mix1(self, boundary: int) -> None:
         if self._mix1_task is not None and not self._mix1_task.done():
             self._mix1_task.cancel()
