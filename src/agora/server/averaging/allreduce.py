@@ -55,10 +55,17 @@ class Uniform8BitCodec(Uniform8BitQuantization):
     Why not hivemind's own: under numpy 2 its ``extract`` fails on every message (``int()`` of a one-element
     array), its ``quantize`` uses ``torch.quantize_per_tensor`` (deprecated), and a part with zero spread gets a
     zero scale. ``register_uint8_codec`` puts this class in hivemind's table of wire formats, which both ends of
-    every part (the sender and the reducer answering in the part's own format) look up."""
+    every part (the sender and the reducer answering in the part's own format) look up.
+
+    A part holding at most 256 distinct values is sent exactly (its values are the codebook): a payload the sender
+    already quantized with error feedback (``CountingCompression.roundtrip``) loses nothing more on the wire."""
 
     def quantize(self, tensor: torch.Tensor, allow_inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:
         values = tensor.detach().to(torch.float32).flatten()
+        if values.numel() and torch.unique(values[:4 * self.n_bins]).numel() <= self.n_bins:
+            distinct, where = torch.unique(values, return_inverse=True)
+            if distinct.numel() <= self.n_bins:  # already on at most 256 levels (a quantized payload): exact
+                return where.to(torch.uint8).numpy(), distinct.numpy().astype(self.codebook_dtype)
         centered = values - values.mean()
         spread = float(centered.norm()) / math.sqrt(max(1, values.numel() - 1))
         scale = self.RANGE_IN_SIGMAS * spread / self.n_bins if spread > 0 else 1.0
@@ -119,6 +126,13 @@ class CountingCompression(CompressionBase):
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self._base.estimate_compression_ratio(info)
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a receiver decodes of ``tensor`` sent whole (not counted as sent): the codec's rounding, so a
+        sender can keep what it loses as error feedback."""
+        info = CompressionInfo.from_tensor(tensor)
+        base = self._small if tensor.numel() < MIN_QUANTIZED_VALUES else self._base
+        return deserialize_torch_tensor(base.compress(tensor, info)).to(tensor.dtype)
 
     @property
     def bytes_sent(self) -> int:

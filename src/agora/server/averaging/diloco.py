@@ -10,8 +10,8 @@ were gone), the same average pulls them back together, with no leader and no dow
 parameters and momentum, twice a ``full`` round, once every ``every`` steps. The outer state lives in the runtime's
 ``sync_state``, so it travels with state downloads and checkpoints and a joiner continues the phase it joins.
 
-With ``averaging.codec`` (float16, uint8) a round averages the pseudo-gradient alone, compressed on the wire, and
-every replica takes the outer step from the average: 1/8 (float16) or ~1/16 (uint8) of an exact round's bytes. hivemind
+With ``averaging.codec`` (float16, uint8) a round averages the pseudo-gradient alone, rounded by the codec with error
+feedback and compressed on the wire, and every replica takes the outer step from the average: 1/8 (float16) or ~1/16 (uint8) of an exact round's bytes. hivemind
 hands each member its own part plus the compressed difference to the average, so members end a compressed round
 apart by the codec's rounding, and nothing in such a round pulls them back; every ``resync_every``-th round (by
 step, so every replica agrees which) is therefore the exact round above (docs/AVERAGING.md, "Compressed rounds").
@@ -54,6 +54,12 @@ class DiLoCoSync(ReplicaSync):
         self.codec_compression = CountingCompression(cfg.codec)  # counts the compressed rounds' bytes
         self.codec_averager = self._make_codec_averager() if cfg.codec != "none" else None
         self._codec_round = False  # the round under way averages the compressed pseudo-gradient
+        # Error feedback: what the codec's rounding took from our pseudo-gradients and no round delivered yet (added
+        # to the next one; an exact or lone step delivers it whole). Local to this replica, as its inner moments are.
+        self.residual: list[torch.Tensor] = ([torch.zeros(p.shape, dtype=torch.float32)
+                                              for p in ctx.runtime.stage.parameters()]
+                                             if self.codec_averager is not None else [])
+        self._pending_residual: list[torch.Tensor] = []  # the residual a compressed round under way would leave
         self.codec_rounds = 0  # successful compressed rounds
         self._samples_since_round = 0  # this replica's weight in the next outer round
         self.outer_rounds_alone = 0  # outer steps taken without partners (none alive, or the round failed)
@@ -115,6 +121,8 @@ class DiLoCoSync(ReplicaSync):
                          **{MOMENTUM + n: t for n, t in zip(self.names, self.momentum)}}
 
     def _state_replaced(self) -> None:
+        for r in self.residual:
+            r.zero_()  # rounding of a trajectory left behind
         self._adopt_outer_state()
         self._samples_since_round = 0
 
@@ -124,8 +132,11 @@ class DiLoCoSync(ReplicaSync):
         local = self.ctx.runtime.trained_parameters()
         if step is not None:
             self.ctx.observers.emit("outer_round_start", step, local)
-        return [nesterov_outer_step(outer, mom, p.detach().cpu(), self.outer_lr, self.outer_momentum)
-                for outer, mom, p in zip(self.outer, self.momentum, local)]
+        ends = [p.detach().cpu() for p in local]
+        if self.residual:  # the pseudo-gradient plus what compressed rounds have not delivered yet
+            ends = [p.double() - r.double() for p, r in zip(ends, self.residual)]
+        return [nesterov_outer_step(outer, mom, p, self.outer_lr, self.outer_momentum)
+                for outer, mom, p in zip(self.outer, self.momentum, ends)]
 
     def _load_proposal(self, step: Optional[int] = None) -> None:
         """Compute thread: our proposal (``_own_proposal``) into the averager's buffers."""
@@ -137,13 +148,19 @@ class DiLoCoSync(ReplicaSync):
                 bufs[n + i].copy_(new_mom)
 
     def _load_pseudo_gradient(self, step: Optional[int] = None) -> None:
-        """Compute thread: our pseudo-gradient ``outer - local`` into the compressed round's buffers."""
+        """Compute thread: our pseudo-gradient ``outer - local`` plus the residual, rounded by the codec, into the
+        compressed round's buffers; what the rounding takes waits as the residual if the round succeeds. Rounded
+        here, whole tensor by whole tensor, the payload goes through hivemind's parts unchanged (float16 is
+        idempotent, ``Uniform8BitCodec`` sends 256 levels exactly)."""
         local = self.ctx.runtime.trained_parameters()
         if step is not None:
             self.ctx.observers.emit("outer_round_start", step, local)
+        self._pending_residual = []
         with self.codec_averager.get_tensors() as bufs, torch.no_grad():
-            for b, outer, p in zip(bufs, self.outer, local):
-                torch.sub(outer, p.detach().cpu().float(), out=b)
+            for b, outer, p, r in zip(bufs, self.outer, local, self.residual):
+                wanted = outer - p.detach().cpu().float() + r
+                b.copy_(self.codec_compression.roundtrip(wanted))
+                self._pending_residual.append(wanted - b)
 
     def _apply_outer(self, averaged: bool, compressed: bool = False) -> None:
         """Compute thread: move to the averaged outer state (or, without a round, to our own proposal, computed
@@ -157,6 +174,8 @@ class DiLoCoSync(ReplicaSync):
             for i, (new_outer, new_mom) in enumerate(steps):
                 self.outer[i].copy_(new_outer)
                 self.momentum[i].copy_(new_mom)
+            for r, pending in zip(self.residual, self._pending_residual):
+                r.copy_(pending)
         elif averaged:
             with self.averager.get_tensors() as bufs, torch.no_grad():
                 for i in range(n):
@@ -166,6 +185,10 @@ class DiLoCoSync(ReplicaSync):
             for i, (new_outer, new_mom) in enumerate(self._own_proposal()):
                 self.outer[i].copy_(new_outer)
                 self.momentum[i].copy_(new_mom)
+        if not (averaged and compressed):
+            for r in self.residual:
+                r.zero_()  # an exact round's proposals and a lone step carried it whole
+        self._pending_residual = []
         self.ctx.runtime.load_parameters(self.outer)
         self._set_fingerprint()
 
