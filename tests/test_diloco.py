@@ -240,7 +240,9 @@ def test_the_wire_codecs_round_trip_within_their_rounding_through_hivemind(codec
         message = comp.compress(tensor, CompressionInfo.from_tensor(tensor))
         back = deserialize_torch_tensor(message)  # as the reducer decodes it: by the part's own type
         assert back.dtype == tensor.dtype and back.shape == tensor.shape
-        if codec == "float16" or tensor.numel() < MIN_QUANTIZED_VALUES:
+        if codec == "uint8" and tensor.numel() < MIN_QUANTIZED_VALUES:
+            assert torch.equal(back, tensor)  # a small part goes uncompressed
+        elif codec == "float16":
             assert torch.allclose(back, tensor, rtol=2 ** -10, atol=1e-7)
         elif float(tensor.std()) == 0:
             assert torch.equal(back, tensor)  # one bin, decoded to its mean: exact
@@ -248,6 +250,10 @@ def test_the_wire_codecs_round_trip_within_their_rounding_through_hivemind(codec
             err, sigma = (back - tensor).abs(), float(tensor.std())  # hold the outliers, whose error is their excess
             inside = (tensor - tensor.mean()).abs() < 2.9 * sigma
             assert float(err.mean()) < 6 * sigma / 256 / 2 and float(err[inside].max()) <= 6 * sigma / 256
+    # A payload the sender rounded itself (error feedback) crosses hivemind's parts, whatever their cut, unchanged.
+    rounded = comp.roundtrip(big)
+    for part in (rounded[:3000], rounded[3000:9000], rounded[9000:]):
+        assert torch.equal(deserialize_torch_tensor(comp.compress(part, CompressionInfo.from_tensor(part))), part)
     per_value = {"float16": 2, "uint8": 1}[codec]
     assert len(comp.compress(big, CompressionInfo.from_tensor(big)).buffer) <= per_value * big.numel() + 1032
 
@@ -326,5 +332,5 @@ def test_compressed_rounds_step_on_the_averaged_pseudo_gradient_and_exact_rounds
     elements = sum(p.numel() for p in a.stage.parameters())
     together = [x + y for x, y in zip(a.sync.round_bytes, b.sync.round_bytes)]
     assert together[2] == 2 * 8 * elements  # exact: parameters and momentum in float64
-    bound = {"float16": 2 * elements, "uint8": 1.2 * elements}[codec]  # the pseudo-gradient: 2 B or ~1 B each
+    bound = {"float16": 2 * elements, "uint8": 1.3 * elements}[codec]  # 2 B each, or 1 B + codebooks + small parts
     assert max(together[0], together[1], together[3]) <= bound, (together, elements)

@@ -28,14 +28,14 @@ from agora.lab.train_local import train_local
 
 SCHEMES = ("full", "powersgd", "sparse", "diloco", "gossip_q0", "gossip_q1", "gossip_q3")
 CODECS = ("float16", "uint8")  # an arm "diloco+uint8", "gossip_q1+float16": that scheme with ``averaging.codec``
+CONDITIONS = ("clean", "capped", "kill")
+SWARM_TIMEOUT_S = 7200
 
 
 def known_scheme(arm: str) -> bool:
     """Whether ``arm`` names a scheme of ``SCHEMES``, optionally ``+codec`` for diloco and gossip."""
     scheme, plus, codec = arm.partition("+")
     return scheme in SCHEMES and (not plus or (codec in CODECS and scheme.startswith(("diloco", "gossip"))))
-CONDITIONS = ("clean", "capped", "kill")
-SWARM_TIMEOUT_S = 7200
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,9 @@ PHASE_Q = b".Q"
 
 
 CODECS = ("none", "float16", "uint8")  # ``averaging.codec``: how DiLoCo and gossip payloads travel
-MIN_QUANTIZED_VALUES = 2048  # a smaller part goes as float16: uint8 adds a 1 KiB codebook per part
+# uint8 sends a smaller part uncompressed: its 1 KiB codebook would outweigh the values, and float16 would round a
+# payload the sender already rounded to 256 levels (``roundtrip``) once more, out of reach of its error feedback.
+MIN_QUANTIZED_VALUES = 2048
 
 
 class Uniform8BitCodec(Uniform8BitQuantization):
@@ -97,7 +99,7 @@ class CountingCompression(CompressionBase):
     processes.
 
     Every serialized part names its own compression type and the reducer answers in the same one, so ``uint8``
-    sends parts of fewer than ``MIN_QUANTIZED_VALUES`` values as float16."""
+    sends parts of fewer than ``MIN_QUANTIZED_VALUES`` values uncompressed."""
 
     def __init__(self, codec: str = "none") -> None:
         super().__init__()
@@ -108,7 +110,7 @@ class CountingCompression(CompressionBase):
             register_uint8_codec()
         self._base: CompressionBase = {"none": NoCompression(), "float16": Float16Compression(),
                                        "uint8": Uniform8BitCodec()}[codec]
-        self._small = Float16Compression() if codec == "uint8" else self._base
+        self._small = NoCompression() if codec == "uint8" else self._base
         self.compression_type = self._base.compression_type
         self._sent = mp.Value("q", 0)
 

@@ -10,11 +10,12 @@ were gone), the same average pulls them back together, with no leader and no dow
 parameters and momentum, twice a ``full`` round, once every ``every`` steps. The outer state lives in the runtime's
 ``sync_state``, so it travels with state downloads and checkpoints and a joiner continues the phase it joins.
 
-With ``averaging.codec`` (float16, uint8) a round averages the pseudo-gradient alone, rounded by the codec with error
-feedback and compressed on the wire, and every replica takes the outer step from the average: 1/8 (float16) or ~1/16 (uint8) of an exact round's bytes. hivemind
-hands each member its own part plus the compressed difference to the average, so members end a compressed round
-apart by the codec's rounding, and nothing in such a round pulls them back; every ``resync_every``-th round (by
-step, so every replica agrees which) is therefore the exact round above (docs/AVERAGING.md, "Compressed rounds").
+With ``averaging.codec`` (float16, uint8) a round averages the pseudo-gradient alone, rounded by the codec with
+error feedback and compressed on the wire, and every replica takes the outer step from the average: 1/8 (float16)
+or ~1/16 (uint8) of an exact round's bytes. hivemind hands each member its own part plus the compressed difference
+to the average, so members end a compressed round apart by the codec's rounding, and nothing in such a round pulls
+them back; every ``resync_every``-th round (by step, so every replica agrees which) is therefore the exact round
+above (docs/AVERAGING.md, "Compressed rounds").
 """
 
 from __future__ import annotations
