@@ -72,6 +72,23 @@ def test_diloco_settings_are_validated_and_other_schemes_keep_their_hash():
     assert "outer_lr" in _diloco(4).canonical_json()
 
 
+def _phase_ends(nodes) -> dict[int, dict[str, list]]:
+    """{step: {peer id: parameters}}: each replica's inner-phase end at every outer round, seen through the public
+    observer hook."""
+    ends: dict[int, dict[str, list]] = {}
+    for node in nodes:
+        node.observers.subscribe("outer_round_start", lambda step, params, pid=node.peer_id: ends.setdefault(
+            step, {}).__setitem__(pid, [p.detach().clone() for p in params]))
+    return ends
+
+
+async def _see_each_other(nodes) -> None:
+    deadline = time.monotonic() + 30
+    while min([len(await x.sync.replicas()) for x in nodes]) < 1:
+        assert time.monotonic() < deadline, "replicas never saw each other"
+        await asyncio.sleep(0.2)
+
+
 def _expected_outer(outer, momentum, ends, lr, mu):
     """Independently of the code under test: DiLoCo's outer Nesterov step on the replicas' mean pseudo-gradient
     (equal weights: every replica was fed the same number of samples), in float64."""
@@ -92,14 +109,8 @@ def test_replicas_differ_between_rounds_and_leave_each_round_identical_at_the_ou
         async with local_swarm(man, [0, 0], OPTS) as (boot, peers, nodes):
             a, b = nodes
             assert a.sync.scheme == b.sync.scheme == "diloco"
-            ends: dict[int, dict[str, list]] = {}
-            for node in nodes:  # the inner phase's end on each replica, seen through the public observer hook
-                node.observers.subscribe("outer_round_start", lambda step, params, pid=node.peer_id: ends.setdefault(
-                    step, {}).__setitem__(pid, [p.detach().clone() for p in params]))
-            deadline = time.monotonic() + 30
-            while min([len(await x.sync.replicas()) for x in nodes]) < 1:
-                assert time.monotonic() < deadline, "replicas never saw each other"
-                await asyncio.sleep(0.2)
+            ends = _phase_ends(nodes)
+            await _see_each_other(nodes)
             outer = [t.clone() for t in a.sync.outer]
             momentum = [t.clone() for t in a.sync.momentum]
             assert all(torch.equal(x, y) for x, y in zip(outer, b.sync.outer))
@@ -156,16 +167,14 @@ def test_replicas_differ_between_rounds_and_leave_each_round_identical_at_the_ou
     assert [x + y for x, y in zip(a.sync.round_bytes, b.sync.round_bytes)] == [2 * 8 * elements] * 2
 
 
-def test_a_replica_whose_partner_leaves_mid_round_steps_alone_and_trains_on():
-    man = _diloco(2)
+@pytest.mark.parametrize("codec", ["none", "float16"])
+def test_a_replica_whose_partner_leaves_mid_round_steps_alone_and_trains_on(codec):
+    man = _diloco(2).with_overrides(**{"averaging.codec": codec})  # float16: the rounds are compressed ones
 
     async def main():
         async with local_swarm(man, [0, 0], OPTS) as (boot, peers, nodes):
             a, b = nodes
-            deadline = time.monotonic() + 30
-            while min([len(await x.sync.replicas()) for x in nodes]) < 1:
-                assert time.monotonic() < deadline, "replicas never saw each other"
-                await asyncio.sleep(0.2)
+            await _see_each_other(nodes)
             await a.run_compute(feed_fake_gradients, a, 1, 16)  # a alone holds the whole batch; b follows
             await wait_until(lambda: a.step == b.step == 1 and not a.sync.stepping, 30, "step 1 on both")
             # b stalls (its sync loop cannot take its lock) while a's outer round after step 2 waits for it, then
@@ -187,6 +196,8 @@ def test_a_replica_whose_partner_leaves_mid_round_steps_alone_and_trains_on():
     a, alone_s = asyncio.run(main())
     assert a.step == 4 and a.sync.outer_rounds_alone == 2 and a.sync.rounds_ok == 0, (
         a.step, a.sync.outer_rounds_alone, a.sync.rounds_ok)
+    assert a.sync.codec_at(2) is (codec != "none")
+    assert all(float(r.abs().max()) == 0 for r in a.sync.residual)  # a lone step carries the residual whole
     assert alone_s < 10, f"two steps and an outer round alone took {alone_s:.1f}s"
 
 
@@ -269,14 +280,8 @@ def test_compressed_rounds_step_on_the_averaged_pseudo_gradient_and_exact_rounds
     async def main():
         async with local_swarm(man, [0, 0], OPTS) as (boot, peers, nodes):
             a, b = nodes
-            ends: dict[int, dict[str, list]] = {}
-            for node in nodes:
-                node.observers.subscribe("outer_round_start", lambda step, params, pid=node.peer_id: ends.setdefault(
-                    step, {}).__setitem__(pid, [p.detach().clone() for p in params]))
-            deadline = time.monotonic() + 30
-            while min([len(await x.sync.replicas()) for x in nodes]) < 1:
-                assert time.monotonic() < deadline, "replicas never saw each other"
-                await asyncio.sleep(0.2)
+            ends = _phase_ends(nodes)
+            await _see_each_other(nodes)
             state = {n.peer_id: ([t.clone() for t in n.sync.outer], [t.clone() for t in n.sync.momentum])
                      for n in nodes}
             residual = {n.peer_id: [torch.zeros_like(t) for t in n.sync.outer] for n in nodes}
