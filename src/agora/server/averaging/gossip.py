@@ -27,7 +27,7 @@ import torch
 from agora.net.records import DHT_TIMEOUT_S, PeerState
 from agora.optim.gossip import exponential_edges
 from agora.optim.outer import nesterov_outer_step
-from agora.server.averaging.allreduce import CountingCompression, GuardedAverager
+from agora.server.averaging.allreduce import GuardedAverager
 from agora.server.averaging.diloco import DiLoCoSync
 from agora.server.averaging.sync import SyncContext
 
@@ -65,10 +65,12 @@ class GossipSync(DiLoCoSync):
         self.blocking_bytes = self.background_bytes = 0
         self.exchanges_ok = self.exchanges_failed = 0
 
+    def wire_codec(self) -> str:
+        # Every exchange carries parameters, in float16 with ``averaging.codec`` set: the pair ends apart by the
+        # codec's rounding of parameters, which later exchanges mix away (docs/AVERAGING.md).
+        return self.ctx.manifest.averaging.codec
+
     def _make_payload_averager(self) -> GuardedAverager:
-        # Every exchange carries parameters, compressed by ``averaging.codec`` (float16, uint8) if set: the pair
-        # ends apart by the codec's rounding of parameters, which later exchanges mix away (docs/AVERAGING.md).
-        self.compression = CountingCompression(self.ctx.manifest.averaging.codec)
         shapes = [p.shape for p in self.ctx.runtime.stage.parameters()]
         payload = [torch.zeros(s, dtype=torch.float32) for s in shapes]
         settings = {**self.averager_settings(), "target_group_size": 2, "initial_group_bits": pair_bits(0, 0, 0)}

@@ -218,7 +218,8 @@ class ReplicaSync:
         m = ctx.manifest
         self.target = m.batch.target_batch_size
         self.prefix = f"{m.run_id}_s{ctx.stage_index}_{m.hash}_grads"  # no dots: hivemind splits keys on '.'
-        self.compression = CountingCompression()  # measures the all-reduce bytes this replica sends
+        # measures the all-reduce bytes this replica sends, in the scheme's wire format (``wire_codec``)
+        self.compression = CountingCompression(self.wire_codec())
         self.round_bytes: deque[int] = deque(maxlen=100)  # all-reduce payload bytes we sent, per successful round
         self.fingerprint = parameter_fingerprint(ctx.runtime.stage)
         self.fingerprint_step = ctx.runtime.step  # the step ``fingerprint`` was computed at
@@ -263,6 +264,10 @@ class ReplicaSync:
         # (step, samples) at the last look that found us left behind (``_left_behind`` confirms at the next one)
         self._left_behind_seen: Optional[tuple[int, int]] = None
         ctx.runtime.fingerprint_at = lambda step: self.fingerprint if self.fingerprint_step == step else None
+
+    def wire_codec(self) -> str:
+        """How the main averager's parts travel (``allreduce.CODECS``): exactly, except where a scheme says."""
+        return "none"
 
     def averager_settings(self) -> dict:
         """hivemind ``DecentralizedAverager`` settings shared by every scheme."""
