@@ -113,6 +113,30 @@ def test_a_failed_dense_round_is_a_zero_step_whose_gradient_the_compressed_round
     assert losses[1] < losses[0] - 0.5, losses
 
 
+def test_periodic_dense_rounds_deliver_the_error_buffer_and_keep_replicas_identical():
+    """``dense_every`` 2 (no dense first steps): rounds at steps 0 and 2 (0-based) average ``G + E`` in full and empty
+    the error buffers, steps 1 and 3 are PowerSGD rounds that fill them again. Measured by the averager's bytes, so a
+    scheme that skipped the dense rounds, or ran every round dense, fails; the dense averager stays up."""
+    man = POWERSGD.with_overrides(**{"averaging.dense_every": 2})
+    seen: dict[int, list[bool]] = {}
+
+    async def check(heads, step):
+        await _identical(heads, step)
+        seen[step] = [all(e is None for e in h.sync.psgd.errors) for h in heads]
+
+    losses, heads = asyncio.run(_train(man, steps=4, check_each_step=check))
+    # after steps 1 and 3 (dense rounds) nothing is left in the error buffers; after 2 and 4 (rank 2) there is
+    assert seen == {1: [True, True], 2: [False, False], 3: [True, True], 4: [False, False]}, seen
+    elements = sum(p.numel() for p in heads[0].stage.parameters())
+    rounds = [a + b for a, b in zip(heads[0].sync.round_bytes, heads[1].sync.round_bytes)]
+    compressed = 8 * heads[0].sync.psgd.numel_sent()
+    assert rounds == [8 * elements, compressed] * 2, (rounds, elements, compressed)
+    for h in heads:
+        assert h.sync.rounds_ok == 4 and h.sync.rounds_failed == 0 and h.sync.resyncs == 0
+        assert h.sync.dense is not None  # it serves every dense_every-th step: not shut down
+    assert losses[1] < losses[0] - 0.5, losses
+
+
 def test_powersgd_replicas_stay_bit_identical_learn_and_send_less_than_full():
     t0 = time.monotonic()
     losses, heads = asyncio.run(_train(POWERSGD_DENSE_FIRST, steps=4, check_each_step=_check_and_break_a_round))

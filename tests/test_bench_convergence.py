@@ -171,3 +171,7 @@ def test_the_pipelined_rows_carry_the_compressed_schemes_and_the_powersgd_rank()
     assert demo_manifest("small", 3, averaging=shapes["powersgd_cold"]["averaging"]).averaging.warm_start is False
     default = ConvergenceOptions(preset="small", rows=("powersgd",)).row_shapes()["powersgd"]["averaging"]
     assert demo_manifest("small", 3, averaging=default).averaging.rank == 4
+    assert demo_manifest("small", 3, averaging=default).averaging.dense_every == 0
+    periodic = ConvergenceOptions(preset="small", rows=("all_powersgd",), powersgd_dense_every=10).row_shapes()
+    averaging = demo_manifest("small", 3, averaging=periodic["all_powersgd"]["averaging"]).averaging
+    assert (averaging.rank, averaging.dense_every, averaging.dense_steps) == (4, 10, 5)

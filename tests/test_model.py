@@ -197,6 +197,10 @@ def test_averaging_section_defaults_validates_and_enters_the_hash(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text(psgd.to_yaml())
     assert load_manifest(path).hash == psgd.hash and load_manifest(path).averaging.rank == 8
+    # dense_every came later: left out of the hash while 0, so PowerSGD manifests from before it keep theirs
+    assert '"dense_every"' not in psgd.canonical_json()
+    periodic = psgd.with_overrides(**{"averaging.dense_every": 10})
+    assert '"dense_every":10' in periodic.canonical_json() and periodic.hash != psgd.hash
     sparse = base.with_overrides(**{"averaging.scheme": "sparse", "averaging.rho": 0.1, "averaging.every": 5})
     assert (sparse.averaging.rho, sparse.averaging.every) == (0.1, 5)
     for preset in ("tiny", "small", "agora-8b"):
@@ -229,6 +233,8 @@ def test_sparse_rounds_every_step_unless_told_while_diloco_keeps_its_h(tmp_path)
     ({"averaging": {"scheme": "sparse", "every": 0}}, "averaging.every"),
     ({"averaging": {"scheme": "full", "rank": 8}}, "only apply to scheme 'powersgd'"),
     ({"averaging": {"scheme": "sparse", "dense_steps": 3}}, "only apply to scheme 'powersgd'"),
+    ({"averaging": {"scheme": "full", "dense_every": 10}}, "only apply to scheme 'powersgd'"),
+    ({"averaging": {"scheme": "powersgd", "dense_every": -1}}, "averaging.dense_every"),
     ({"averaging": {"scheme": "powersgd", "dense_steps": -1}}, "averaging.dense_steps"),
     ({"averaging": {"scheme": "powersgd", "rho": 0.1}}, "only applies to scheme 'sparse'"),
     ({"averaging": {"scheme": "full", "ranks": 8}}, "unknown key"),

@@ -409,6 +409,9 @@ def bench_convergence(
                                                     "--diloco-every)"),
     powersgd_rank: Optional[int] = typer.Option(None, min=1, max=256, help="the PowerSGD rows' rank (default: "
                                                                            "averaging.rank's, 4)"),
+    powersgd_dense_every: Optional[int] = typer.Option(None, min=0, max=1_000_000,
+                                                       help="the PowerSGD rows' averaging.dense_every (default: 0, "
+                                                            "no dense round after the first steps)"),
     upm_every_s: float = typer.Option(30.0, min=1.0, help="the upm row's seconds between rotations of a boundary"),
     rebalance: bool = typer.Option(True, help="nodes move to the bottleneck stage (agora node's default); "
                                               "--no-rebalance keeps every row's shape fixed, for comparing speeds"),
@@ -428,7 +431,9 @@ def bench_convergence(
         opts = ConvergenceOptions(preset=preset, steps=steps, stages=stages, replicas=replicas, in_flight=in_flight,
                                   seeds=seed_list, rows=row_list, link_mbps=link_mbps, val_batches=val_batches,
                                   diloco_every=diloco_every, sparse_every=sparse_every, powersgd_rank=powersgd_rank,
-                                  upm_every_s=upm_every_s, rebalance=rebalance, averaging_timeout_s=averaging_timeout, device=device, precision=precision)
+                                  powersgd_dense_every=powersgd_dense_every, upm_every_s=upm_every_s,
+                                  rebalance=rebalance, averaging_timeout_s=averaging_timeout, device=device,
+                                  precision=precision)
         opts.row_shapes()  # fail on a bad row name before anything runs
         from agora.devices import check_precision, resolve_device
 

@@ -112,6 +112,7 @@ class ConvergenceOptions:
     diloco_every: int = 4  # DiLoCo's inner steps per outer round in the ``diloco`` and ``gossip`` rows
     sparse_every: int = 1  # steps between the ``sparse`` row's rounds (the scheme's default; 4 before 2026-12-05)
     powersgd_rank: Optional[int] = None  # the PowerSGD rows' rank (None: the scheme's default, 4)
+    powersgd_dense_every: Optional[int] = None  # the PowerSGD rows' averaging.dense_every (None: the default, 0)
     upm_every_s: float = 30.0  # seconds between rotations of a boundary in the ``upm`` row
     # Nodes move to the bottleneck stage as ``agora node`` does by default. A move mid-run changes a row's shape
     # (and its speed) at a moment that depends on timing: off for comparing rows' speeds.
@@ -134,6 +135,8 @@ class ConvergenceOptions:
         """Each row's swarm: replicas, microbatches in flight, averaging spec (None: the preset's), link cap."""
         r, f = self.replicas, self.in_flight
         rank = f",rank={self.powersgd_rank}" if self.powersgd_rank is not None else ""
+        if self.powersgd_dense_every is not None:
+            rank += f",dense_every={self.powersgd_dense_every}"
         sparse = f"sparse,every={self.sparse_every}"
 
         def row(replicas: int, in_flight: int, overlap: Optional[bool], averaging: Optional[str] = None,

@@ -249,7 +249,8 @@ class AveragingConfig(_Strict):
       up to ``agreement_tolerance`` (relative, on the records' parameter samples) they still agree.
     * ``powersgd``: rank-``rank`` PowerSGD with error feedback, two all-reduces (P, Q) in one group per step;
       replicas still apply the same update and stay bit-identical. The first ``dense_steps`` steps average the
-      whole gradient, as ``full`` does (the early steps are where a rank-``rank`` update costs the most loss).
+      whole gradient, as ``full`` does (the early steps are where a rank-``rank`` update costs the most loss);
+      with ``dense_every``, so does every ``dense_every``-th step after them, delivering the error buffer whole.
     * ``sparse``: SPARTA. Each replica steps on its own gradients; every ``every`` steps (default 1) a background
       round averages a seeded ``rho`` slice of parameters and Adam moments (replicas legitimately differ in
       between); why every step by default, and what it costs: docs/AVERAGING.md.
@@ -273,6 +274,9 @@ class AveragingConfig(_Strict):
     dense_steps: int = Field(default=5, ge=0, le=1_000_000,
                              description="PowerSGD: the first N optimizer steps average the whole gradient (as "
                              "'full') before compression starts (powersgd only; 0: compress from the first step)")
+    dense_every: int = Field(default=0, ge=0, le=1_000_000,
+                             description="PowerSGD: after the dense steps, every N-th step too averages the whole "
+                             "gradient plus the error buffer and empties it (powersgd only; 0: never)")
     rho: float = Field(default=0.05, gt=0, le=1, description="fraction of the state averaged per round (sparse)")
     every: int = Field(default=20, ge=1, le=100_000,
                        description="optimizer steps between rounds (sparse, default 1 there; diloco and gossip: "
@@ -307,8 +311,8 @@ class AveragingConfig(_Strict):
         def changed(*names: str) -> bool:
             return any(getattr(self, f) != type(self).model_fields[f].default for f in names)
 
-        if self.scheme != "powersgd" and changed("rank", "warm_start", "dense_steps"):
-            raise ValueError(f"averaging.rank/warm_start/dense_steps only apply to scheme 'powersgd' (scheme is "
+        if self.scheme != "powersgd" and changed("rank", "warm_start", "dense_steps", "dense_every"):
+            raise ValueError(f"averaging.rank/warm_start/dense_steps/dense_every only apply to scheme 'powersgd' (scheme is "
                              f"{self.scheme!r}); remove them or set averaging.scheme: powersgd")
         if self.scheme != "sparse" and changed("rho"):
             raise ValueError(f"averaging.rho only applies to scheme 'sparse' (scheme is {self.scheme!r}); "
@@ -463,6 +467,8 @@ class Manifest(_Strict):
                 del data["averaging"]["q"]
             if self.averaging.codec == "none":
                 del data["averaging"]["codec"], data["averaging"]["resync_every"]  # came later: hashes stay
+            if self.averaging.dense_every == 0:
+                del data["averaging"]["dense_every"]  # came later: hashes stay
         if self.training == TrainingConfig():
             del data["training"]  # the section came later: manifests without it keep their hash
         if self.optimizer.name not in ("muon", "numuon"):

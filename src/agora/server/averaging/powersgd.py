@@ -10,7 +10,9 @@ The first ``averaging.dense_steps`` steps are ``full`` rounds of ``G + E``, in a
 matchmaking prefix) that is shut down once the stage is past them. A failed dense round fails as a compressed one
 does (a zero step, ``G + E`` kept in the error buffer), so replicas whose round failed together need no state
 download, which a slow link could not afford either. Why dense at all: the early steps are where a low-rank update
-costs the most loss (docs/COMPRESSION.md, "Dense first steps").
+costs the most loss (docs/COMPRESSION.md, "Dense first steps"). With ``averaging.dense_every`` = N, every N-th step
+after them is a dense round too (the averager then stays up): it delivers the whole error buffer at once, so what
+rank ``r`` left behind never piles up for more than N steps (docs/COMPRESSION.md, "Periodic dense rounds").
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ class PowerSGDSync(FullSync):
         self.psgd = PowerSGD([p.shape for p in rt.stage.parameters()], a.rank, run_id=m.run_id,
                              stage=rt.stage_index, warm_start=a.warm_start)
         self._compressed_step: Optional[int] = None  # step whose payload is built and not yet resolved
-        self.dense_steps = a.dense_steps
-        self.dense: Optional[GuardedAverager] = None  # full rounds before compression starts
+        self.dense_steps, self.dense_every = a.dense_steps, a.dense_every
+        self.dense: Optional[GuardedAverager] = None  # full rounds: before compression starts, then every dense_every
         self._dense_round = False  # the payload loaded last went into ``dense``
         self._dense_payload: Optional[list[torch.Tensor]] = None  # its ``G + E`` (taken out of the error buffers)
-        if rt.step < self.dense_steps:
+        if rt.step < self.dense_steps or self.dense_every > 0:
             self.dense = super()._make_averager(prefix=f"{self.prefix}_dense")
         f64 = torch.float64
         phase1 = [torch.zeros(s, dtype=f64) for s in [*self.psgd.p_shapes(), *self.psgd.passthrough_shapes()]]
@@ -52,7 +54,10 @@ class PowerSGDSync(FullSync):
         return self.dense if self._dense_round else self.averager  # as ``_load_buffers`` chose for this round
 
     def _dense_at(self, step: int) -> bool:
-        return self.dense is not None and step < self.dense_steps
+        """Every replica at ``step`` decides alike: the first ``dense_steps``, then every ``dense_every``-th."""
+        if self.dense is None:
+            return False
+        return step < self.dense_steps or (self.dense_every > 0 and step % self.dense_every == 0)
 
     def _load_buffers(self, grads: list[torch.Tensor], step: int) -> None:
         """``P = (G + E) Q`` and the passthrough gradients for phase 1, and ``M = G + E`` for the averager to
@@ -115,8 +120,10 @@ class PowerSGDSync(FullSync):
 
     def _end_dense_phase(self) -> None:
         """Compute thread: past the dense steps, shut the dense averager down (its process and its stage-sized
-        float64 buffers). A replica that comes back to an earlier step (a restore) compresses from then on."""
-        if self.dense is not None and self.ctx.runtime.step >= self.dense_steps and not self._dense_round:
+        float64 buffers); with ``dense_every`` it stays up. A replica that comes back to an earlier step (a restore)
+        compresses from then on."""
+        if (self.dense is not None and self.dense_every == 0 and self.ctx.runtime.step >= self.dense_steps
+                and not self._dense_round):
             dense, self.dense = self.dense, None
             _shut_down(dense)
 
