@@ -312,8 +312,8 @@ class AveragingConfig(_Strict):
             return any(getattr(self, f) != type(self).model_fields[f].default for f in names)
 
         if self.scheme != "powersgd" and changed("rank", "warm_start", "dense_steps", "dense_every"):
-            raise ValueError(f"averaging.rank/warm_start/dense_steps/dense_every only apply to scheme 'powersgd' (scheme is "
-                             f"{self.scheme!r}); remove them or set averaging.scheme: powersgd")
+            raise ValueError(f"averaging.rank/warm_start/dense_steps/dense_every only apply to scheme 'powersgd' "
+                             f"(scheme is {self.scheme!r}); remove them or set averaging.scheme: powersgd")
         if self.scheme != "sparse" and changed("rho"):
             raise ValueError(f"averaging.rho only applies to scheme 'sparse' (scheme is {self.scheme!r}); "
                              f"remove it or set averaging.scheme: sparse")

@@ -9,8 +9,9 @@ pipeline, no failed rounds, and the tied embedding is one tensor.
 
 ``THREADS`` (environment, default 2): torch threads.
 
-SPEC: ``mode=full`` (average in full every step) or ``rank=R,warm=0|1,full=N`` (the first N steps averaged in
-full: ``averaging.dense_steps``). One JSON line per spec: the validation loss on the bench's 4 held-out batches.
+SPEC: ``mode=full`` (average in full every step) or ``rank=R,warm=0|1,full=N,every=K`` (the first N steps averaged in
+full: ``averaging.dense_steps``; with ``every=K`` > 0, also every K-th step after them: ``G + E`` averaged in full, the
+error buffers emptied). One JSON line per spec: the validation loss on the bench's 4 held-out batches.
 """
 import json, os, sys, time, torch
 from agora.lab.demo import demo_manifest
@@ -20,7 +21,7 @@ from agora.optim import build_optimizer, set_lr
 from agora.lab.train_local import evaluate
 from agora.compression.powersgd import PowerSGD
 
-def run(seed, steps, rank, warm_start, full_steps=0, replicas=2, mode="psgd", min_compression=2.0):
+def run(seed, steps, rank, warm_start, full_steps=0, replicas=2, mode="psgd", min_compression=2.0, every=0):
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     man = demo_manifest("small", 3, seed=seed)
     torch.manual_seed(man.seed)
@@ -52,7 +53,16 @@ def run(seed, steps, rank, warm_start, full_steps=0, replicas=2, mode="psgd", mi
             rgrads.append([p.grad.detach().clone() for p in flat])
             opt.zero_grad(set_to_none=True)
         avg = [sum(g[k] for g in rgrads) / replicas for k in range(len(flat))]
-        if mode == "psgd" and step >= full_steps:
+        flush = mode == "psgd" and (step < full_steps or (every > 0 and step % every == 0))
+        if flush:  # a dense round of G + E: the error is delivered, the buffers emptied
+            out, off = [], 0
+            for si, ps in enumerate(params):
+                n = len(ps)
+                flushed = [comps[r][si].flush(rgrads[r][off:off + n]) for r in range(replicas)]
+                out += [sum(f[j] for f in flushed) / replicas for j in range(n)]
+                off += n
+            avg = out
+        elif mode == "psgd":
             out, off = [], 0
             for si, ps in enumerate(params):
                 n = len(ps)
@@ -83,5 +93,5 @@ if __name__ == "__main__":
         kv = dict(x.split("=") for x in spec.split(","))
         mode = kv.get("mode", "psgd")
         v, w = run(seed, steps, int(kv.get("rank", 4)), kv.get("warm", "1") == "1", int(kv.get("full", 0)),
-                   mode=mode, min_compression=float(kv.get("minc", 2.0)))
+                   mode=mode, min_compression=float(kv.get("minc", 2.0)), every=int(kv.get("every", 0)))
         print(json.dumps({"seed": seed, "steps": steps, "spec": spec, "val": v, "wall": w}), flush=True)
