@@ -260,16 +260,19 @@ def test_a_bf16_fused_replica_and_an_fp32_replica_of_one_stage_agree_within_tole
             await follower.run_compute(diverge)
             await wait_until(lambda: follower.sync.resyncs == 1, 30, "the diverged replica to download a state")
             repaired = distance(*tails)
-            return rounds, resyncs, reports, rounding, bitwise, agreed, repaired
+            return rounds, resyncs, failed, reports, rounding, bitwise, agreed, repaired
         finally:
             for node in nodes:
                 await node.stop()
             for dht in dhts:
                 dht.shutdown()
 
-    rounds, resyncs, reports, rounding, bitwise, agreed, repaired = asyncio.run(main())
+    rounds, resyncs, failed, reports, rounding, bitwise, agreed, repaired = asyncio.run(main())
     assert min(rounds) >= 3, rounds
-    assert resyncs == [0, 0], resyncs
+    # Rounding never triggers a download. A failed round may: on a loaded machine hivemind can end an all-reduce with
+    # part of one replica's average missing (a failed round there, a success for the other), and the replicas then
+    # really differ until one adopts the other's state.
+    assert sum(resyncs) <= failed, (resyncs, failed)
     assert not bitwise and 0 < rounding < tolerance / 100, rounding  # rounding apart, far inside the tolerance
     assert agreed >= 1
     assert repaired == 0.0
