@@ -246,6 +246,7 @@ def test_a_bf16_fused_replica_and_an_fp32_replica_of_one_stage_agree_within_tole
             trainer.close()
             reports = [(node_summary(n)["compute"], n.record().metrics) for n in tails]
             rounds, resyncs = [n.sync.rounds_ok for n in tails], [n.sync.resyncs for n in tails]
+            failed = sum(n.sync.rounds_failed for n in tails)
             agreed = node_summary(follower)["agreed_within_tolerance"]
 
             # A real divergence: the follower's weights move far beyond rounding; it adopts the other's state.
