@@ -569,15 +569,17 @@ def bench_training(
 @bench_app.command("upm")
 def bench_upm(
     out: Path = typer.Option(Path("bench-out/upm"), callback=writable_dir),
-    transforms: int = typer.Option(10_000, min=1, help="compounded boundary rotations on small"),
-    train_steps: int = typer.Option(30, min=0, help="train small this long first (0: its initial weights)"),
+    transforms: int = typer.Option(10_000, min=1, help="compounded boundary rotations on --preset"),
+    train_steps: int = typer.Option(30, min=0, help="train --preset this long first (0: its initial weights)"),
+    preset: str = typer.Option("small", help="the subspace model measured (preset or YAML): small for the "
+                               "published numbers, tiny in seconds"),
     model: Optional[Path] = typer.Option(None, help="also a real pretrained model (Hugging Face folder, GGUF file or "
                                                     "`agora import` folder; dense), cut into --real-stages"),
     real_transforms: int = typer.Option(20, min=1, help="rotations on the real model (d x d each)"),
     real_stages: int = typer.Option(3, min=2),
     seed: int = typer.Option(0, min=0),
     sections: str = typer.Option("preservation,stitching,training", help="comma-separated subset"),
-    training_steps: int = typer.Option(40, min=1, help="optimizer steps of small per training row"),
+    training_steps: int = typer.Option(40, min=1, help="optimizer steps of --preset per training row"),
     rotate_every: int = typer.Option(2, min=1, help="steps between rotations of every boundary while training"),
     training_seeds: str = typer.Option("0,1,2", help="comma-separated seeds of the training rows"),
     frames: str = typer.Option("rotations", help="preservation, stitching and recovery transforms: rotations (Haar) or "
@@ -605,7 +607,8 @@ def bench_upm(
     checkpoints = sorted({c for c in (1, 10, 100, 1000, 10_000) if c < transforms} | {transforms})
     try:
         opts = UpmBenchOptions(
-            out=out, transforms=transforms, train_steps=train_steps, model=model, real_transforms=real_transforms,
+            out=out, preset=preset, transforms=transforms, train_steps=train_steps, model=model,
+            real_transforms=real_transforms,
             real_stages=real_stages, seed=seed, checkpoints=checkpoints,
             sections=_listed(sections), training_steps=training_steps,
             rotate_every=rotate_every, training_seeds=_listed(training_seeds, int),
