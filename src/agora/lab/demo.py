@@ -204,7 +204,7 @@ _TOP_LEVEL = {f.name for f in dataclasses.fields(DemoOptions)} - set(_GROUP_TYPE
 _FLAT_NAMES = {  # run_demo's flat keyword -> (group, attribute)
     **{name: ("shape", name) for name in ("preset", "stages", "replicas", "trainers", "in_flight", "val_batches",
                                           "threads", "residual", "averaging")},
-    **{name: ("stop", name) for name in ("steps", "tokens", "train_seconds", "timeout")},
+    **{name: ("stop", name) for name in ("steps", "tokens", "train_seconds", "timeout", "exact_tokens")},
     **{name: ("nodes", name) for name in ("checkpoint_dir", "checkpoint_every", "resume")},
     "node_args": ("nodes", "args"),
     "chaos": ("chaos", "every_s"), "chaos_last": ("chaos", "kill_last"), "seed": ("chaos", "seed"),
