@@ -3,15 +3,20 @@ replicas then repair toward the state of one that averaged (``full.repair_source
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import hivemind
 import torch
 
+from agora.config import load_manifest
 from agora.net.records import StageRecord
 from agora.server.averaging.allreduce import HIVEMIND_ALLREDUCE_LOGGER, GuardedAverager, PartFailureFilter, \
     report_part_failures
 from agora.server.averaging.full import repair_source
+from agora.server.averaging.sync import ReplicaSync, SyncContext
+from agora.server.observers import Observers
+from agora.server.runtime import Counters, StageRuntime
 
 SIZE = 200_000
 
@@ -124,3 +129,67 @@ def test_the_repair_adopts_the_smallest_replica_that_averaged():
     assert repair_source([_rec("b", 5), _rec("c", 5)], "a", True, 5) is None
     assert repair_source([_rec("a", 5), _rec("c", 5)], "b", True, 5).peer_id == "a"
     assert repair_source([], "a", True, 5) is None
+
+
+class _Averager:
+    """What ``ReplicaSync`` reads of a hivemind averager to tell a partial round: its partial-round count."""
+
+    def __init__(self, partial_rounds: int):
+        self.partial_rounds = partial_rounds
+
+
+class _TwoAveragerScheme(ReplicaSync):
+    """A scheme whose rounds run in one of two averagers, chosen when the round's payload is loaded (PowerSGD's
+    dense steps run in a second averager): the second one already finished a partial round, the first none."""
+
+    def __init__(self, ctx: SyncContext, partial: bool):
+        super().__init__(ctx)
+        self.main, self.second = _Averager(0), _Averager(1)
+        self._second_round = False
+        self.partial = partial
+
+    def round_averager(self):
+        return self.second if self._second_round else self.main
+
+    def averagers(self) -> list:
+        return [self.main, self.second]
+
+    async def _average(self, samples, grads):
+        self._second_round = True  # as ``_load_buffers`` does at a dense step
+        if self.partial:
+            self.second.partial_rounds += 1  # hivemind finished this all-reduce with parts missing
+        return {peer: {"step": self.ctx.runtime.step, "samples": samples} for peer in ("QmSelf", "QmOther")}
+
+    def _averaged(self):
+        self._second_round = False
+        return [torch.ones(3)]
+
+
+def _scheme(partial: bool) -> _TwoAveragerScheme:
+    manifest = load_manifest("tiny")
+
+    async def nothing(*args, **kwargs):
+        return None
+
+    async def compute(fn, *args):
+        return fn(*args)
+
+    ctx = SyncContext(manifest=manifest, runtime=StageRuntime(manifest, 0, Counters(), Observers()), dht=None,
+                      p2p=None, peer_id="QmSelf", averaging_timeout_s=1.0, stall_step_s=10.0, run_compute=compute,
+                      run_io=compute, announce=nothing, log_event=lambda *a, **k: None, is_serving=lambda: True,
+                      local_bans=set, members=None, observers=Observers())
+    return _TwoAveragerScheme(ctx, partial)
+
+
+def test_a_round_in_another_averager_than_the_last_is_judged_by_its_own_count():
+    """A complete round in the second averager is a success although that averager's count exceeds the first's
+    (the count read before the round once came from the last round's averager: every PowerSGD dense round after a
+    first partial one was taken for a failed round, and that replica stepped alone); a partial one is a failure."""
+    complete = _scheme(partial=False)
+    averaged, group = asyncio.run(complete._group_average(4, [torch.zeros(3)], 1))
+    assert group == 2 and averaged is not None and torch.equal(averaged[0], torch.ones(3))
+    assert (complete.rounds_ok, complete.rounds_failed, complete.partial_rounds) == (1, 0, 0)
+    partial = _scheme(partial=True)
+    averaged, group = asyncio.run(partial._group_average(4, [torch.zeros(3)], 1))
+    assert (averaged, group) == (None, 1)
+    assert (partial.rounds_ok, partial.rounds_failed, partial.partial_rounds) == (0, 1, 1)

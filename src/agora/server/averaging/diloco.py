@@ -81,6 +81,9 @@ class DiLoCoSync(ReplicaSync):
     def round_averager(self) -> GuardedAverager:
         return self.codec_averager if self._codec_round else self.averager
 
+    def averagers(self) -> list:
+        return [self.averager, self.codec_averager]
+
     def codec_at(self, step: int) -> bool:
         """Whether the outer round after step ``step`` is a compressed one (else exact): every replica of the phase
         computes the same answer from the step."""

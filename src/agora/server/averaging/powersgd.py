@@ -53,6 +53,9 @@ class PowerSGDSync(FullSync):
     def round_averager(self):
         return self.dense if self._dense_round else self.averager  # as ``_load_buffers`` chose for this round
 
+    def averagers(self) -> list:
+        return [self.averager, self.dense]
+
     def _dense_at(self, step: int) -> bool:
         """Every replica at ``step`` decides alike: the first ``dense_steps``, then every ``dense_every``-th."""
         if self.dense is None:

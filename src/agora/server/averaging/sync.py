@@ -304,6 +304,17 @@ class ReplicaSync:
         second one for its dense steps)."""
         return self.averager
 
+    def averagers(self) -> list:
+        """Every hivemind averager this scheme runs rounds in (``round_averager`` picks one per round)."""
+        return [self.averager]
+
+    def partial_count(self) -> int:
+        """All-reduces finished with part of the average missing, over all of this scheme's averagers. A round
+        was partial iff this grew while it ran: only one round runs at a time. (Why the sum: which averager a
+        round runs in is only known once ``_load_buffers`` has run, and a count read from one averager before and
+        from another after once took every PowerSGD dense round after a first partial one for a failed round.)"""
+        return sum(getattr(a, "partial_rounds", 0) for a in self.averagers() if a is not None)
+
     def _load_buffers(self, grads: list[torch.Tensor], step: int) -> None:
         """Compute thread: put this round's payload into the averager's buffers."""
         raise NotImplementedError
@@ -892,7 +903,7 @@ class ReplicaSync:
         c = self.ctx
         self.averaging_step = c.runtime.step
         sent_before = self.bytes_sent
-        partial_before = getattr(self.round_averager(), "partial_rounds", 0)
+        partial_before = self.partial_count()
         try:
             await c.announce()  # tells replicas to join now, instead of when their own counts catch up
             result = await self._average(samples, grads)
@@ -901,7 +912,7 @@ class ReplicaSync:
             result = None
         finally:
             self.averaging_step = -1
-        if result is not None and getattr(self.round_averager(), "partial_rounds", 0) > partial_before:
+        if result is not None and self.partial_count() > partial_before:
             # Parts of our average are our own values (a reducer did not answer in time); the replicas that got
             # every part applied the true average. A failed round: the repair then adopts one of their states.
             self.partial_rounds += 1
