@@ -201,3 +201,16 @@ def run_chaos_demo(out, chaos, train_seconds: float, timeout: float = 420) -> di
         kill_pids(leftovers)
     assert leftovers == [], leftovers
     return summary
+
+
+def offline_sync_context(runtime, **fields):
+    """A ``SyncContext`` for exercising a ``ReplicaSync`` without a swarm: no DHT, no p2p, nothing announced or
+    run off-thread unless ``fields`` says so (any field can be overridden)."""
+    from agora.server.averaging.sync import SyncContext
+    from agora.server.observers import Observers
+
+    defaults = dict(manifest=runtime.manifest, runtime=runtime, dht=None, p2p=None, peer_id="QmSelf",
+                    averaging_timeout_s=1.0, stall_step_s=10.0, run_compute=None, run_io=None, announce=None,
+                    log_event=lambda *a, **k: None, is_serving=lambda: True, local_bans=set, members=None,
+                    observers=Observers())
+    return SyncContext(**{**defaults, **fields})

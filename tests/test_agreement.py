@@ -9,7 +9,8 @@ import torch
 
 from agora.config import load_manifest
 from agora.net.records import StageRecord
-from agora.server.averaging.sync import ReplicaSync, SyncContext
+from agora.server.averaging.sync import ReplicaSync
+from swarm_util import offline_sync_context
 from agora.server.observers import Observers
 from agora.server.runtime import Counters, StageRuntime
 
@@ -19,10 +20,7 @@ MAN = load_manifest("tiny")
 def _sync(manifest=MAN) -> ReplicaSync:
     rt = StageRuntime(manifest, 1, Counters(), Observers())
     rt.apply_step([torch.full(p.shape, 0.01, dtype=torch.float64) for p in rt.stage.parameters()])
-    ctx = SyncContext(manifest=manifest, runtime=rt, dht=None, p2p=None, peer_id="b", averaging_timeout_s=1.0,
-                      stall_step_s=1.0, run_compute=None, run_io=None, announce=None, log_event=None,
-                      is_serving=lambda: True, local_bans=set, members=None, observers=Observers())
-    sync = ReplicaSync(ctx)
+    sync = ReplicaSync(offline_sync_context(rt, peer_id="b", stall_step_s=1.0))
     sync._set_fingerprint()
     return sync
 

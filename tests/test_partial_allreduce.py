@@ -15,6 +15,7 @@ from agora.server.averaging.allreduce import HIVEMIND_ALLREDUCE_LOGGER, GuardedA
     report_part_failures
 from agora.server.averaging.full import repair_source
 from agora.server.averaging.sync import ReplicaSync, SyncContext
+from swarm_util import offline_sync_context
 from agora.server.observers import Observers
 from agora.server.runtime import Counters, StageRuntime
 
@@ -174,11 +175,9 @@ def _scheme(partial: bool) -> _TwoAveragerScheme:
     async def compute(fn, *args):
         return fn(*args)
 
-    ctx = SyncContext(manifest=manifest, runtime=StageRuntime(manifest, 0, Counters(), Observers()), dht=None,
-                      p2p=None, peer_id="QmSelf", averaging_timeout_s=1.0, stall_step_s=10.0, run_compute=compute,
-                      run_io=compute, announce=nothing, log_event=lambda *a, **k: None, is_serving=lambda: True,
-                      local_bans=set, members=None, observers=Observers())
-    return _TwoAveragerScheme(ctx, partial)
+    runtime = StageRuntime(manifest, 0, Counters(), Observers())
+    return _TwoAveragerScheme(offline_sync_context(runtime, run_compute=compute, run_io=compute, announce=nothing),
+                              partial)
 
 
 def test_a_round_in_another_averager_than_the_last_is_judged_by_its_own_count():

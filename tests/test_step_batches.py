@@ -9,7 +9,8 @@ import pytest
 from agora.config import load_manifest
 from agora.net.records import PeerState, StageRecord
 from agora.net.transport import RpcError
-from agora.server.averaging.sync import ReplicaSync, SyncContext
+from agora.server.averaging.sync import ReplicaSync
+from swarm_util import offline_sync_context
 from agora.server.observers import Observers
 from agora.server.runtime import Counters, StageRuntime
 
@@ -21,11 +22,7 @@ def _sync() -> ReplicaSync:
     async def unused(*args):
         raise AssertionError("this test reads and announces nothing")
 
-    ctx = SyncContext(manifest=manifest, runtime=rt, dht=None, p2p=None, peer_id="QmSelf", averaging_timeout_s=1.0,
-                      stall_step_s=10.0, run_compute=unused, run_io=unused, announce=unused,
-                      log_event=lambda *a, **k: None, is_serving=lambda: True, local_bans=set, members=None,
-                      observers=Observers())
-    return ReplicaSync(ctx)
+    return ReplicaSync(offline_sync_context(rt, run_compute=unused, run_io=unused, announce=unused))
 
 
 def _replica(step: int, samples: int, state: str = PeerState.SERVING.value) -> StageRecord:
@@ -90,11 +87,7 @@ def test_a_partial_batch_is_stepped_only_once_no_trainer_trains():
     async def announce():
         pass
 
-    ctx = SyncContext(manifest=manifest, runtime=rt, dht=None, p2p=None, peer_id="QmSelf", averaging_timeout_s=1.0,
-                      stall_step_s=0.1, run_compute=None, run_io=run_io, announce=announce,
-                      log_event=lambda *a, **k: None, is_serving=lambda: True, local_bans=set, members=None,
-                      observers=Observers())
-    sync = Recording(ctx)
+    sync = Recording(offline_sync_context(rt, stall_step_s=0.1, run_io=run_io, announce=announce))
 
     async def scenario():
         rt.samples = 4
@@ -137,11 +130,8 @@ def test_a_partial_batch_is_stepped_once_the_other_stages_took_the_step_and_no_s
         async def nothing():
             pass
 
-        ctx = SyncContext(manifest=manifest, runtime=rt, dht=dht, p2p=None, peer_id=str(dht.peer_id),
-                          averaging_timeout_s=1.0, stall_step_s=1e9, run_compute=None, run_io=run_io,
-                          announce=nothing, log_event=lambda *a, **k: None, is_serving=lambda: True,
-                          local_bans=set, members=None, observers=Observers())
-        sync = Recording(ctx)
+        sync = Recording(offline_sync_context(rt, dht=dht, peer_id=str(dht.peer_id), stall_step_s=1e9, run_io=run_io,
+                                              announce=nothing))
 
         async def look(others_samples=4, others_admitted=0):
             sync._left_behind_read_at = 0.0  # every look may read the DHT
