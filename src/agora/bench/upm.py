@@ -45,7 +45,7 @@ class UpmBenchOptions:
     # for the published numbers; ``tiny`` runs the same measurements in seconds (the test suite).
     preset: str = "small"
     real_transforms: int = 20  # on the real model (dense d x d rotations: ~seconds each on a CPU)
-    train_steps: int = 30  # ``small`` is trained this long first, so its outputs are not near-uniform
+    train_steps: int = 30  # ``preset`` is trained this long first, so its outputs are not near-uniform
     model: Optional[Path] = None  # a real pretrained model (Hugging Face folder, GGUF or import folder), dense
     real_stages: int = 3
     eval_rows: int = 8  # validation windows the logits are compared on
@@ -368,7 +368,7 @@ def _train(preset: str, seed: int, steps: int, eval_every: int,
 
 def _small(opts: UpmBenchOptions, trained: Optional[tuple[Manifest, PipelineModel, dict]]
            ) -> tuple[Manifest, list[Stage], torch.Tensor]:
-    """``small`` as ``trained`` (None: its initial weights), and validation windows to compare logits on."""
+    """``opts.preset`` as ``trained`` (None: its initial weights), and validation windows to compare logits on."""
     m = trained[0] if trained is not None else _preset(opts.preset, opts.seed, opts.frames)
     stages = list(trained[1].stages) if trained is not None else build_stages(m)
     _, val, _ = build_datasets(m)
