@@ -597,6 +597,10 @@ def bench_upm(
     recovery_eval_every: int = typer.Option(5, min=1, help="recovery: steps between validation losses"),
     recovery_tolerance: float = typer.Option(1e-3, min=0.0, help="recovery: nats above the original's loss "
                                                                  "that count as reached"),
+    recovery_attacks: str = typer.Option("full", help="recovery: comma-separated attacks: full (fine-tune every "
+                                                      "weight), maps (train only the stale stage's boundary maps), "
+                                                      "maps_full (both at once)"),
+    recovery_maps_lr: float = typer.Option(0.01, help="recovery: the maps attack's Adam learning rate"),
 ) -> None:
     """UPM frames: function preservation under compounded boundary rotations (fp32, fp64), stitching of shards
     captured at different times against unrelated random weights, training through rotations with each
@@ -616,7 +620,8 @@ def bench_upm(
             recovery_preset=recovery_preset, recovery_seeds=_listed(recovery_seeds, int),
             recovery_gaps=_listed(recovery_gaps, int), recovery_stage=recovery_stage,
             recovery_max_steps=recovery_max_steps, recovery_eval_every=recovery_eval_every,
-            recovery_tolerance=recovery_tolerance)
+            recovery_tolerance=recovery_tolerance, recovery_attacks=_listed(recovery_attacks),
+            recovery_maps_lr=recovery_maps_lr)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)

@@ -35,6 +35,11 @@ logger = logging.getLogger("agora.bench")
 SECTIONS = ("preservation", "stitching", "training", "recovery")
 TRAINING_MODES = ("none", "mixed", "isotropic", "keep", "signed_perm", "none_coordinates", "signed_perm_coordinates")
 RECOVERY_TARGET = 0.6  # issue #17: recovering a stitched model needs >= 60% of the tokens of training from scratch
+# How a stitched model is recovered: ``full`` fine-tunes every weight with the manifest's optimizer and schedule;
+# ``maps`` trains only the boundary maps on both sides of the stale stage (free k x k or d x d matrices, everything
+# else frozen), the attacker who knows that the shards differ by a change of frame; ``maps_full`` does both at once
+# (the maps at their own learning rate).
+RECOVERY_ATTACKS = ("full", "maps", "maps_full")
 
 
 @dataclass
@@ -67,6 +72,8 @@ class UpmBenchOptions:
     recovery_max_steps: int = 60  # fine-tuning steps before a run is reported as not reaching the target
     recovery_eval_every: int = 5  # steps between validation losses, for the stitched and the scratch run alike
     recovery_tolerance: float = 1e-3  # nats above the original's validation loss that count as reached
+    recovery_attacks: tuple[str, ...] = ("full",)  # RECOVERY_ATTACKS
+    recovery_maps_lr: float = 0.01  # the ``maps`` attacker's Adam learning rate (constant)
 
     def __post_init__(self) -> None:
         if load_manifest(self.preset).residual.mode != "subspace":  # a bad name or file raises here too
@@ -88,6 +95,12 @@ class UpmBenchOptions:
                 raise ValueError("recovery needs at least one seed and gaps >= 0")
             if self.recovery_max_steps < 1 or self.recovery_eval_every < 1 or self.recovery_tolerance < 0:
                 raise ValueError("recovery needs max steps >= 1, eval every >= 1 and a tolerance >= 0")
+            bad_attacks = set(self.recovery_attacks) - set(RECOVERY_ATTACKS)
+            if bad_attacks or not self.recovery_attacks:
+                raise ValueError(f"unknown recovery attacks {sorted(bad_attacks)}: choose from "
+                                 f"{', '.join(RECOVERY_ATTACKS)}")
+            if not (0 < self.recovery_maps_lr < math.inf):
+                raise ValueError(f"recovery_maps_lr must be a positive finite number, got {self.recovery_maps_lr}")
 
 
 # --------------------------------------------------------------------------- measurements
@@ -237,18 +250,64 @@ def _assembled(m: Manifest, stages: list[Stage]) -> PipelineModel:
     return model
 
 
+def open_boundary_maps(stages: list[Stage], stale: int, freeze_rest: bool = True) -> list[torch.nn.Parameter]:
+    """The ``maps`` attacker's parameters: the boundary maps into and out of stage ``stale`` (the one captured in
+    another frame) become free trainable matrices, initialised as captured; with ``freeze_rest`` every other weight
+    is frozen. A free matrix can express any change of frame (and more), so this is the cheapest complete repair of
+    a stitched model whose shards differ only by frames."""
+    maps = []
+    for i in (stale - 1, stale):
+        if 0 <= i < len(stages) and stages[i].boundary_map is not None:
+            p = torch.nn.Parameter(stages[i].boundary_map.detach().clone())
+            stages[i].boundary_map = p  # replaces the buffer (Module.__setattr__): the forward now differentiates it
+            maps.append(p)
+    if not maps:
+        raise ValueError(f"stage {stale} has no boundary map on either side (frames not enabled)")
+    if freeze_rest:
+        for st in stages:
+            for p in st.parameters():
+                p.requires_grad_(any(p is q for q in maps))
+    return maps
+
+
+class _Together:
+    """Several optimizers stepped as one (``train_step`` calls ``step`` and ``zero_grad`` only)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
 def fine_tune_to(m: Manifest, stages: list[Stage], train: TokenDataset, val_set: list[torch.Tensor], target: float,
-                 max_steps: int, eval_every: int) -> dict:
+                 max_steps: int, eval_every: int, attack: str = "full", stale: Optional[int] = None,
+                 maps_lr: float = 0.01) -> dict:
     """Fine-tune ``stages`` (changed in place) with ``m``'s optimizer, schedule from step 0 and training stream,
     the steps of ``train_model``, until the validation loss is <= ``target``: evaluated before the first step and
     after every ``eval_every``-th, at most ``max_steps`` steps. ``train_model`` always starts from fresh weights and
-    runs a fixed number of steps, so its step and evaluation are reused here rather than the whole loop."""
+    runs a fixed number of steps, so its step and evaluation are reused here rather than the whole loop.
+    ``attack`` (RECOVERY_ATTACKS) ``maps`` or ``maps_full``: the boundary maps around stage ``stale`` are trained
+    too (:func:`open_boundary_maps`), with Adam at a constant ``maps_lr``, on the same batches; ``maps`` freezes the
+    rest."""
     from agora.lab.train_local import train_step, evaluate
     from agora.optim import build_optimizer, set_lr
 
     model = _assembled(m, stages)
     model.train()
-    opt = build_optimizer(model, m.optimizer, seed=m.seed)
+    if attack not in RECOVERY_ATTACKS or (attack != "full" and stale is None):
+        raise ValueError(f"attack {attack!r} (stale stage {stale}): choose from {', '.join(RECOVERY_ATTACKS)}, "
+                         f"with a stale stage for the map attacks")
+    # The weights' optimizer is built before the maps become parameters, so it never holds them.
+    main = build_optimizer(model, m.optimizer, seed=m.seed) if attack != "maps" else None
+    maps = (torch.optim.Adam(open_boundary_maps(stages, stale, freeze_rest=attack == "maps"), lr=maps_lr)
+            if attack != "full" else None)
+    opt = _Together(*(o for o in (main, maps) if o is not None))
     mb = m.batch.microbatch_size
     accum = max(1, m.batch.target_batch_size // mb)
     tokens_per_step = accum * mb * m.model.seq_len
@@ -256,7 +315,8 @@ def fine_tune_to(m: Manifest, stages: list[Stage], train: TokenDataset, val_set:
     evals = [{"steps": 0, "tokens": 0, "val_loss": evaluate(model, val_set)}]
     steps = 0
     while evals[-1]["val_loss"] > target and steps < max_steps:
-        set_lr(opt, m.optimizer, steps)
+        if main is not None:
+            set_lr(main, m.optimizer, steps)
         train_step(model, opt, batches, accum, m.optimizer.grad_clip)
         steps += 1
         if steps % eval_every == 0 or steps == max_steps:
@@ -267,12 +327,14 @@ def fine_tune_to(m: Manifest, stages: list[Stage], train: TokenDataset, val_set:
 
 
 def recovery(m: Manifest, model: PipelineModel, summary: dict, gaps: tuple[int, ...], stage: int, max_steps: int,
-             eval_every: int, tolerance: float, val_batches: int = 8, draw=haar_orthogonal) -> tuple[dict, list[dict]]:
+             eval_every: int, tolerance: float, val_batches: int = 8, draw=haar_orthogonal,
+             attacks: tuple[str, ...] = ("full",), maps_lr: float = 0.01) -> tuple[dict, list[dict]]:
     """Recovery cost of stitched shards of ``model`` (trained from scratch by ``train_model``: ``summary``, with
     evaluations every ``eval_every`` steps). Stitched as in :func:`stitching`: stage ``stage`` captured before
-    ``gap`` rotations of every boundary, the others after; each stitched model is fine-tuned until it reaches the
-    original's validation loss (+ ``tolerance``). Scratch cost: the tokens after which the original's own run first
-    reached that loss. Returns (the original's figures, one row per gap)."""
+    ``gap`` rotations of every boundary, the others after; each stitched model is recovered by each of ``attacks``
+    (RECOVERY_ATTACKS) until it reaches the original's validation loss (+ ``tolerance``). Scratch cost: the tokens
+    after which the original's own run first reached that loss. Returns (the original's figures, one row per gap
+    and attack)."""
     from agora.lab.train_local import evaluate
 
     train, val, _ = build_datasets(m)
@@ -302,38 +364,43 @@ def recovery(m: Manifest, model: PipelineModel, summary: dict, gaps: tuple[int, 
         for _ in range(gap):
             rotate_every_boundary()
         honest = evaluate(_assembled(m, stages), val_set)  # the rotations alone keep the original's loss
-        stitched = [copy.deepcopy(before[i] if i == stage else st) for i, st in enumerate(stages)]
-        t0 = time.perf_counter()
-        run = fine_tune_to(m, stitched, train, val_set, target, max_steps, eval_every)
-        fraction = run["tokens"] / scratch if run["reached"] else None
-        rows.append({"seed": m.seed, "gap": gap, "stage": stage, "honest_val_loss": honest,
-                     "stitched_val_loss": run["evals"][0]["val_loss"], "final_val_loss": run["evals"][-1]["val_loss"],
-                     "reached": run["reached"], "steps": run["steps"], "tokens": run["tokens"],
-                     "scratch_tokens": scratch, "fraction": fraction,
-                     # a lower bound when the cap was hit: recovery needs more than max_steps' tokens
-                     "fraction_at_least": fraction if fraction is not None
-                     else max_steps * run["tokens_per_step"] / scratch,
-                     "wall_s": time.perf_counter() - t0, "evals": run["evals"]})
-        logger.info(f"recovery: { {k: v for k, v in rows[-1].items() if k != 'evals'} }")
+        for attack in attacks:
+            stitched = [copy.deepcopy(before[i] if i == stage else st) for i, st in enumerate(stages)]
+            t0 = time.perf_counter()
+            run = fine_tune_to(m, stitched, train, val_set, target, max_steps, eval_every, attack=attack,
+                               stale=stage, maps_lr=maps_lr)
+            fraction = run["tokens"] / scratch if run["reached"] else None
+            rows.append({"seed": m.seed, "gap": gap, "attack": attack, "stage": stage, "honest_val_loss": honest,
+                         "stitched_val_loss": run["evals"][0]["val_loss"],
+                         "final_val_loss": run["evals"][-1]["val_loss"],
+                         "reached": run["reached"], "steps": run["steps"], "tokens": run["tokens"],
+                         "scratch_tokens": scratch, "fraction": fraction,
+                         # a lower bound when the cap was hit: recovery needs more than max_steps' tokens
+                         "fraction_at_least": fraction if fraction is not None
+                         else max_steps * run["tokens_per_step"] / scratch,
+                         "wall_s": time.perf_counter() - t0, "evals": run["evals"]})
+            logger.info(f"recovery: { {k: v for k, v in rows[-1].items() if k != 'evals'} }")
     return original, rows
 
 
 def summarize_recovery(rows: list[dict], target: float = RECOVERY_TARGET) -> tuple[list[dict], Optional[bool]]:
-    """Per gap, medians over seeds, and whether recovery needs >= ``target`` of scratch's tokens: True (met),
-    False (not met), None (undetermined: a run hit its step cap below the target, and the median hinges on it;
-    always for gap 0, identical frames, the control). Overall: over gaps >= 1."""
-    by_gap: dict[int, list[dict]] = {}
+    """Per attack and gap, medians over seeds, and whether recovery needs >= ``target`` of scratch's tokens: True
+    (met), False (not met), None (undetermined: a run hit its step cap below the target, and the median hinges on
+    it; always for gap 0, identical frames, the control). Overall: over gaps >= 1 and every attack (the target holds
+    only if no attack recovers cheaper)."""
+    by_gap: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
-        by_gap.setdefault(r["gap"], []).append(r)
+        by_gap.setdefault((r.get("attack", "full"), r["gap"]), []).append(r)
     out = []
-    for gap, gap_rows in sorted(by_gap.items()):
+    for (attack, gap), gap_rows in sorted(by_gap.items(), key=lambda kv: (RECOVERY_ATTACKS.index(kv[0][0]), kv[0][1])):
         # A run that did not reach the loss within its cap counts as its lower bound (low) or as infinite (high):
         # the true median lies between the two.
         low = statistics.median(r["fraction_at_least"] for r in gap_rows)
         high = statistics.median(r["fraction"] if r["reached"] else math.inf for r in gap_rows)
         tokens = statistics.median(r["tokens"] if r["reached"] else math.inf for r in gap_rows)
         met = None if gap == 0 else True if low >= target else False if high < target else None
-        out.append({"gap": gap, "seeds": len(gap_rows), "reached": sum(r["reached"] for r in gap_rows),
+        out.append({"attack": attack, "gap": gap, "seeds": len(gap_rows),
+                     "reached": sum(r["reached"] for r in gap_rows),
                      "median_fraction": high if math.isfinite(high) else None, "median_fraction_at_least": low,
                      "median_tokens": tokens if math.isfinite(tokens) else None,
                      "median_scratch_tokens": statistics.median(r["scratch_tokens"] for r in gap_rows),
@@ -468,7 +535,8 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
         for seed in opts.recovery_seeds:
             m, model, summary = original(opts.recovery_preset, seed)
             o, r = recovery(m, model, summary, opts.recovery_gaps, stage, opts.recovery_max_steps,
-                            opts.recovery_eval_every, opts.recovery_tolerance, draw=draw)
+                            opts.recovery_eval_every, opts.recovery_tolerance, draw=draw,
+                            attacks=opts.recovery_attacks, maps_lr=opts.recovery_maps_lr)
             originals.append(o)
             rows += r
         by_gap, met = summarize_recovery(rows)
@@ -476,6 +544,8 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
                               "n_stages": load_manifest(opts.recovery_preset).n_stages,
                               "max_steps": opts.recovery_max_steps, "eval_every": opts.recovery_eval_every,
                               "tolerance": opts.recovery_tolerance, "target_fraction": RECOVERY_TARGET,
+                              "frames": opts.frames, "attacks": list(opts.recovery_attacks),
+                              "maps_lr": opts.recovery_maps_lr,
                               "target_met": met, "by_gap": by_gap, "originals": originals, "rows": rows}
     write_result(opts.out, "upm", result, markdown(result))
     return result
@@ -530,6 +600,10 @@ _MODE_LABELS = {"none_coordinates": "none, residual.basis coordinates (ratio to 
                 "signed_perm_coordinates": "signed_perm, residual.basis coordinates (ratio to its none)"}
 
 
+_ATTACK_LABELS = {"full": "full fine-tuning", "maps": "boundary maps only",
+                  "maps_full": "boundary maps + full fine-tuning"}
+
+
 def _recovery_markdown(rec: dict) -> str:
     verdict = {True: "met", False: "not met", None: "undetermined (raise --recovery-max-steps)"}
     cap = rec["max_steps"]
@@ -540,21 +614,25 @@ def _recovery_markdown(rec: dict) -> str:
         else:
             tokens = f"not reached within {cap} steps ({g['seeds'] - g['reached']} of {g['seeds']} seeds)"
             fraction = f">= {g['median_fraction_at_least']:.3g}"
-        rows.append([g["gap"], g["seeds"], g["median_stitched_val_loss"], tokens, round(g["median_scratch_tokens"]),
-                     fraction,
+        rows.append([_ATTACK_LABELS[g.get("attack", "full")], g["gap"], g["seeds"], g["median_stitched_val_loss"],
+                     tokens, round(g["median_scratch_tokens"]), fraction,
                      "control (identical frames)" if g["gap"] == 0 else verdict[g["target_met"]]])
     o = rec["originals"]
     losses = sorted(x["val_loss"] for x in o)
     initial = sorted(x["initial_val_loss"] for x in o)
     return (f"### Recovery cost: `{rec['preset']}` trained {rec['train_steps']} steps, stage {rec['stage']} of "
             f"{rec['n_stages']} captured `gap` rotations of every boundary before the others\n\n"
-            f"The stitched model is fine-tuned (the manifest's optimizer and schedule from step 0, the bundled corpus) "
-            f"until its validation loss is within {rec['tolerance']:g} nats of the original's "
+            f"Frames: {rec.get('frames', 'rotations').replace('_', ' ')}. Attacks: `full` fine-tunes every weight (the "
+            f"manifest's optimizer and schedule from step 0, the bundled corpus); `maps` trains only the boundary "
+            f"maps on both sides of the stale stage (Adam, lr {rec.get('maps_lr', 0.01):g}, the same batches); "
+            f"`maps_full` both at once. Each "
+            f"runs until the stitched model's validation loss is within {rec['tolerance']:g} nats of the original's "
             f"({losses[len(losses) // 2]:.4f}, median over {len(o)} seed(s); initial weights: "
             f"{initial[len(initial) // 2]:.4f}), evaluated every {rec['eval_every']} steps, at most {cap} steps. "
             f"Scratch: the tokens after which the original's own run from scratch first reached that loss. Fraction: "
             f"recovery tokens / scratch tokens (median over seeds); target >= {rec['target_fraction']:g}.\n\n"
-            + markdown_table(["gap", "seeds", "stitched val loss", "tokens to original's loss", "scratch tokens",
-                              "fraction of scratch", "target"], rows)
-            + f"\n\nTarget (recovery needs >= {rec['target_fraction']:.0%} of scratch's tokens at every gap >= 1): "
+            + markdown_table(["attack", "gap", "seeds", "stitched val loss", "tokens to original's loss",
+                              "scratch tokens", "fraction of scratch", "target"], rows)
+            + f"\n\nTarget (recovery needs >= {rec['target_fraction']:.0%} of scratch's tokens at every gap >= 1, "
+            f"whatever the attack): "
             f"**{verdict[rec['target_met']]}**.")
