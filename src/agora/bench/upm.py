@@ -7,7 +7,8 @@ before any transform. (b) Stitching: a model assembled from a stage captured bef
 3) more rotations of every boundary and the other stages after them, against the same model with that stage
 replaced by unrelated random weights (the JS ratio). (c) Recovery cost: such a stitched model of a trained
 preset fine-tuned on the bundled corpus until it reaches the original's validation loss, against the tokens the
-original itself needed from scratch. The swarm's training overhead (issue #17 item 5d) is not measured here yet.
+original itself needed from scratch; beside full fine-tuning, attackers who train the stale stage's boundary maps
+(alone, or with every weight). The swarm's training overhead (issue #17 item 5d) is not measured here yet.
 """
 
 from __future__ import annotations
