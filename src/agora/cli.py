@@ -600,7 +600,7 @@ def bench_upm(
     recovery_attacks: str = typer.Option("full", help="recovery: comma-separated attacks: full (fine-tune every "
                                                       "weight), maps (train only the stale stage's boundary maps), "
                                                       "maps_full (both at once)"),
-    recovery_maps_lr: float = typer.Option(0.01, help="recovery: the maps attack's Adam learning rate"),
+    recovery_maps_lr: float = typer.Option(0.05, help="recovery: the map attacks' Adam learning rate (constant)"),
 ) -> None:
     """UPM frames: function preservation under compounded boundary rotations (fp32, fp64), stitching of shards
     captured at different times against unrelated random weights, training through rotations with each
