@@ -88,8 +88,16 @@ async def _train_swarm(man, steps: int):
             await wait_until(lambda: all(n.step >= step and n.runtime.samples == 0 for n in nodes), 40, f"step {step}")
             heads = [n for n in nodes if n.stage_index == 0]
             await wait_until(lambda: all(h.sync.fingerprint_step == step for h in heads), 10, f"step {step} done")
-            for (name, pa), pb in zip(heads[0].stage.named_parameters(), heads[1].stage.parameters()):
-                assert torch.equal(pa, pb), f"step {step}: {name} differs"
+            def same() -> bool:
+                return all(torch.equal(pa, pb) for pa, pb in zip(heads[0].stage.parameters(),
+                                                                  heads[1].stage.parameters()))
+
+            if not same():
+                # Under load hivemind can end a round partial ("all-reduce part failed: TimeoutError", CI once): a
+                # replica counts a failed round and adopts the other's state at its next tick. Rounding alone
+                # never splits them.
+                assert sum(h.sync.rounds_failed for h in heads) > 0, f"step {step}: replicas differ, no round failed"
+                await wait_until(same, 30, f"step {step}: the head's replicas to agree again")
             clocks.append([n.runtime.warmup_clock for n in nodes])
         trainer.close()
         metrics = [{f.name: f.samples[0].value for f in NodeCollector(n).collect() if f.name.startswith("agora_warmup")}
