@@ -172,8 +172,10 @@ def test_the_boundary_maps_attacker_trains_only_the_maps_and_their_true_value_un
 
 
 def test_recovery_attacks_on_tiny(tmp_path):
-    """Every attack on the same stitched models: training the maps alone closes most of the gap, and training them
-    beside every weight recovers at least as cheaply as fine-tuning the weights alone (tiny, one seed)."""
+    """Every attack on the same stitched models: training the maps alone closes most of the gap, and on tiny (this
+    seed) training them beside every weight recovers at least as cheaply as the weights alone. That is this case's
+    outcome, not a general law: on small, seed 1, the maps cost 20 more steps (docs/bench/upm/2026-12-06-recovery-
+    attacks)."""
     result = run_upm_bench(UpmBenchOptions(out=tmp_path, sections=("recovery",), recovery_preset="tiny",
                                            train_steps=TRAIN_STEPS, recovery_gaps=(0, 1), recovery_max_steps=24,
                                            recovery_eval_every=EVERY, recovery_attacks=("full", "maps", "maps_full"),
@@ -186,7 +188,7 @@ def test_recovery_attacks_on_tiny(tmp_path):
     target = rec["originals"][0]["target"]
     maps = rows["maps", 1]
     gap = maps["stitched_val_loss"] - target
-    assert maps["final_val_loss"] < target + 0.2 * gap  # 28 numbers per boundary undo most of the stitch
+    assert maps["final_val_loss"] < target + 0.2 * gap  # 64 free numbers per boundary undo most of the stitch
     both, full = rows["maps_full", 1], rows["full", 1]
     assert both["reached"] and (not full["reached"] or both["steps"] <= full["steps"])
     assert [g["attack"] for g in rec["by_gap"]] == ["full", "full", "maps", "maps", "maps_full", "maps_full"]
