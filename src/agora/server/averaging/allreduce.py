@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 import multiprocessing as mp
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -196,7 +196,28 @@ class GuardedAverager(DecentralizedAverager):
     def __init__(self, *args: Any, **kwargs: Any):
         self._lifeline = ParentWatch()
         self._partial = mp.Value("q", 0)  # shared: the all-reduce runs in the averager's process
+        self._target_sent: Optional[int] = kwargs.get("target_group_size")
         super().__init__(*args, **kwargs)
+
+    def set_target_group_size(self, size: Optional[int]) -> None:
+        """The group size at which this averager, when it leads, starts the all-reduce at once instead of at the
+        end of ``min_matchmaking_time`` (None: always at the end). Takes effect for the next ``step``: messages
+        to the averager's process are handled in order.
+
+        Why: without it every round waited out the whole matchmaking time, and a follower waits for the leader's
+        start only until its own expiry + ``request_timeout``; a leader late by more than that (a busy 2-core
+        machine) started the all-reduce with a follower that had left, and both ended it partial. A full group
+        starts well before anyone's expiry. A size below the peers that join leaves the surplus out of the group,
+        so callers pass an upper bound (``ReplicaSync.expected_group_size``)."""
+        if size is not None and size < 2:
+            raise ValueError(f"a target group size below 2 means no group ever forms: {size}")
+        if size == self._target_sent:
+            return
+        self._target_sent = size
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
+
+    async def _set_target_group_size(self, size: Optional[int]) -> None:
+        self._matchmaking.target_group_size = size  # in the averager's process, read at every join request
 
     def run(self) -> None:
         self._lifeline.start()

@@ -35,7 +35,7 @@ from agora.net.records import (RECORD_TTL_S, PeerState, StageRecord, read_stage,
                                sampled_relative_distance,
                                 sampled_consensus_distance, trainers_training)
 from agora.net.transport import RpcError
-from agora.server.averaging.allreduce import CountingCompression
+from agora.server.averaging.allreduce import CountingCompression, GuardedAverager
 from agora.server.averaging.clip import GlobalClip
 from agora.server.averaging.tied import TiedExchange
 from agora.server.averaging.warmup_brake import WarmupBrake
@@ -799,13 +799,26 @@ class ReplicaSync:
                 self._trainers = 1
         return self._trainers > 0
 
+    def expected_group_size(self) -> int:
+        """The most replicas a round can hold: us and every other replica of the stage in the records at the last
+        read, whatever its state or step. An upper bound on purpose: a group that reaches it starts its all-reduce
+        at once, and one set too low would leave a replica that joins out of the group (``set_target_group_size``).
+        Replicas that do not join (behind, syncing, dead but not yet expired) only cost the rest of the matchmaking
+        time, as every round did before."""
+        return 1 + len(self.replica_ids)
+
     async def _start_round(self, weight: float, gather: dict) -> Any:
         """Start a hivemind round with our buffers (already loaded); returns its StepControl."""
         timeout = self.ctx.averaging_timeout_s
-        return await self.ctx.run_io(
-            lambda: self.round_averager().step(weight=max(float(weight), ZERO_SAMPLE_WEIGHT), gather=gather,
-                                       timeout=timeout, allow_retries=True, wait=False)
-        )
+        averager, size = self.round_averager(), self.expected_group_size()
+
+        def start() -> Any:
+            if isinstance(averager, GuardedAverager):
+                averager.set_target_group_size(max(2, size))
+            return averager.step(weight=max(float(weight), ZERO_SAMPLE_WEIGHT), gather=gather, timeout=timeout,
+                                 allow_retries=True, wait=False)
+
+        return await self.ctx.run_io(start)
 
     async def _average(self, samples: int, grads: list[torch.Tensor]) -> Optional[dict]:
         """One averaging round with the replicas at our step; None if it failed or was given up."""
