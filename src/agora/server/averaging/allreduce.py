@@ -204,11 +204,11 @@ class GuardedAverager(DecentralizedAverager):
         end of ``min_matchmaking_time`` (None: always at the end). Takes effect for the next ``step``: messages
         to the averager's process are handled in order.
 
-        Why: without it every round waited out the whole matchmaking time, and a follower waits for the leader's
-        start only until its own expiry + ``request_timeout``; a leader late by more than that (a busy 2-core
-        machine) started the all-reduce with a follower that had left, and both ended it partial. A full group
-        starts well before anyone's expiry. A size below the peers that join leaves the surplus out of the group,
-        so callers pass an upper bound (``ReplicaSync.expected_group_size``)."""
+        Why: without it every round waited out the whole matchmaking time although every replica had joined.
+        A complete group now starts long before anyone's expiry, so a follower no longer gives up on a leader that
+        is late at its expiry; a follower that times out on the leader's first answer (``request_timeout``) can
+        still be counted in a group that starts without it (docs/AVERAGING.md). A size below the peers that join
+        leaves the surplus out of the group, so callers pass an upper bound (``ReplicaSync.expected_group_size``)."""
         if size is not None and size < 2:
             raise ValueError(f"a target group size below 2 means no group ever forms: {size}")
         if size == self._target_sent:

@@ -35,7 +35,7 @@ from agora.net.records import (RECORD_TTL_S, PeerState, StageRecord, read_stage,
                                sampled_relative_distance,
                                 sampled_consensus_distance, trainers_training)
 from agora.net.transport import RpcError
-from agora.server.averaging.allreduce import CountingCompression, GuardedAverager
+from agora.server.averaging.allreduce import CountingCompression
 from agora.server.averaging.clip import GlobalClip
 from agora.server.averaging.tied import TiedExchange
 from agora.server.averaging.warmup_brake import WarmupBrake
@@ -813,8 +813,7 @@ class ReplicaSync:
         averager, size = self.round_averager(), self.expected_group_size()
 
         def start() -> Any:
-            if isinstance(averager, GuardedAverager):
-                averager.set_target_group_size(max(2, size))
+            averager.set_target_group_size(max(2, size))  # a lone replica's round still needs a partner
             return averager.step(weight=max(float(weight), ZERO_SAMPLE_WEIGHT), gather=gather, timeout=timeout,
                                  allow_retries=True, wait=False)
 
