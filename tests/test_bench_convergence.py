@@ -92,6 +92,19 @@ def test_the_fp32_wire_row_is_serial_compared_with_the_plain_centralized_arm():
                                                                              "optimizer.betas": (0.99, 0.999)})
 
 
+def test_the_dense_row_is_compared_with_a_dense_centralized_arm_in_its_own_folder():
+    """``serial_dense`` changes the model (no subspace), so its centralized arm must be the dense model too, and it
+    must not share the plain arm's folder name (a run of ``serial`` beside it writes ``centralized``)."""
+    from agora.bench.convergence import _central_arm
+
+    shapes = ConvergenceOptions(preset="small", rows=("serial", "serial_dense")).row_shapes()
+    assert shapes["serial_dense"]["overrides"] == {"residual.mode": "dense", "residual.k": None,
+                                                   "residual.wire_dtype": "fp32"}
+    assert {k: v for k, v in shapes["serial_dense"].items() if k != "overrides"} == \
+        {k: v for k, v in shapes["serial"].items() if k != "overrides"}
+    assert _central_arm(shapes["serial_dense"]) == ("centralized_dense", {"residual.mode": "dense", "residual.k": None})
+
+
 def test_the_signed_permutation_row_shares_the_centralized_arm_of_its_basis():
     """``upm_signed`` differs from ``replicas_coordinates`` only by the UPM transform, which a centralized run does
     not have: both are compared with one centralized arm on the coordinate basis, in its own folder (not the plain

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from agora.bench.upm import RECOVERY_TARGET, UpmBenchOptions, run_upm_bench, summarize_recovery
+from agora.config import load_manifest
 
 TRAIN_STEPS, EVERY = 12, 2
 TOKENS_PER_STEP = 16 * 64  # tiny: target_batch_size 16 sequences of seq_len 64
@@ -196,3 +197,22 @@ def test_recovery_attacks_on_tiny(tmp_path):
     assert "boundary maps only" in md and "boundary maps + full fine-tuning" in md
     with pytest.raises(ValueError, match="unknown recovery attacks"):
         UpmBenchOptions(out=tmp_path, sections=("recovery",), recovery_attacks=("procrustes",))
+
+
+def test_recovery_on_a_dense_original_stitches_with_d_by_d_frames(tmp_path):
+    """``recovery_residual="dense"``: the original has no subspace, so its boundaries' frames rotate the whole
+    d-dim residual stream; the stitched model is then far from the original (the mismatch is a d x d rotation, not
+    a k x k one), and the report says which frames were measured."""
+    result = run_upm_bench(UpmBenchOptions(out=tmp_path, sections=("recovery",), recovery_preset="tiny",
+                                           recovery_residual="dense", train_steps=TRAIN_STEPS, recovery_gaps=(0, 1),
+                                           recovery_max_steps=1, recovery_eval_every=EVERY))
+    rec = result["recovery"]
+    tiny = load_manifest("tiny")
+    assert rec["residual"] == "dense" and rec["originals"][0]["frame_width"] == tiny.model.d_model
+    rows = {r["gap"]: r for r in rec["rows"]}
+    assert rows[0]["reached"] and rows[0]["steps"] == 0  # the control: identical frames
+    assert rows[0]["honest_val_loss"] == pytest.approx(rec["originals"][0]["val_loss"], abs=1e-4)
+    assert rows[1]["stitched_val_loss"] > rec["originals"][0]["val_loss"] + 0.5
+    assert f"dense residual: {tiny.model.d_model} x {tiny.model.d_model} frames" in (tmp_path / "result.md").read_text()
+    with pytest.raises(ValueError, match="recovery_residual"):
+        UpmBenchOptions(out=tmp_path, sections=("recovery",), recovery_residual="sparse")

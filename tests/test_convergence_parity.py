@@ -85,6 +85,21 @@ def test_with_a_bf16_wire_the_swarm_is_train_local_with_the_same_boundary_roundi
     assert swarm != plain and max(abs(a - b) / b for a, b in zip(swarm, plain)) < 1e-5
 
 
+def test_with_a_dense_residual_and_an_fp32_wire_the_swarm_is_plain_train_local_bit_for_bit():
+    """Without the subspace a boundary sends the residual stream itself, and an fp32 wire sends it unchanged: the
+    one-replica swarm is then the very computation ``train-local`` runs (no ``wire_boundaries``), so every step's
+    loss is equal, not merely close. This is the configuration where the issue's "same computation" holds
+    literally; the subspace boundary's projections are the only rounding the other tests allow for."""
+    man = MAN.with_overrides(**{"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"})
+    steps = 12
+    plain = train_local(man, steps, val_batches=1)["train_loss"]
+    swarm, clipping = _swarm_losses([0, 1], steps, man)
+    assert swarm == plain, [(i, a, b) for i, (a, b) in enumerate(zip(swarm, plain)) if a != b]
+    assert plain[-1] < plain[0] - 0.3  # it learned
+    for global_steps, scaled, fallbacks in clipping:
+        assert global_steps == steps and fallbacks == 0, clipping
+
+
 def test_two_replicas_per_stage_stay_within_1e_3_of_train_local():
     steps = 12
     local = train_local(MAN, steps, val_batches=1)["train_loss"]

@@ -391,9 +391,9 @@ def bench_convergence(
     stages: int = typer.Option(3, min=1), replicas: int = typer.Option(2, min=2),
     in_flight: int = typer.Option(4, min=2, help="microbatches in flight in the pipelined rows"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; every row runs once per seed"),
-    rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, serial_fp32_wire, overlap, "
-                                                  "in_flight, replicas, powersgd, powersgd_no_dense, "
-                                                  "powersgd_cold, sparse, diloco, gossip, "
+    rows: Optional[str] = typer.Option(None, help="comma-separated subset of: serial, serial_fp32_wire, "
+                                                  "serial_dense, overlap, in_flight, replicas, powersgd, "
+                                                  "powersgd_no_dense, powersgd_cold, sparse, diloco, gossip, "
                                                   "in_flight_overlap, replicas_overlap, all, all_no_overlap, "
                                                   "all_powersgd, all_sparse, all_overlap, all_capped, "
                                                   "all_capped_no_overlap, "
@@ -601,6 +601,8 @@ def bench_upm(
                                                       "weight), maps (train only the stale stage's boundary maps), "
                                                       "maps_full (both at once)"),
     recovery_maps_lr: float = typer.Option(0.05, help="recovery: the map attacks' Adam learning rate (constant)"),
+    recovery_residual: str = typer.Option("preset", help="recovery: preset (the preset's residual) or dense (no "
+                                                         "subspace: d x d frames of the whole residual stream)"),
 ) -> None:
     """UPM frames: function preservation under compounded boundary rotations (fp32, fp64), stitching of shards
     captured at different times against unrelated random weights, training through rotations with each
@@ -621,7 +623,7 @@ def bench_upm(
             recovery_gaps=_listed(recovery_gaps, int), recovery_stage=recovery_stage,
             recovery_max_steps=recovery_max_steps, recovery_eval_every=recovery_eval_every,
             recovery_tolerance=recovery_tolerance, recovery_attacks=_listed(recovery_attacks),
-            recovery_maps_lr=recovery_maps_lr)
+            recovery_maps_lr=recovery_maps_lr, recovery_residual=recovery_residual)
     except ValueError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2)

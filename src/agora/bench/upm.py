@@ -41,6 +41,8 @@ RECOVERY_TARGET = 0.6  # issue #17: recovering a stitched model needs >= 60% of 
 # else frozen), the attacker who knows that the shards differ by a change of frame; ``maps_full`` does both at once
 # (the maps at their own learning rate).
 RECOVERY_ATTACKS = ("full", "maps", "maps_full")
+RECOVERY_RESIDUALS = ("preset", "dense")
+DENSE = {"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"}
 
 
 @dataclass
@@ -75,6 +77,9 @@ class UpmBenchOptions:
     recovery_tolerance: float = 1e-3  # nats above the original's validation loss that count as reached
     recovery_attacks: tuple[str, ...] = ("full",)  # RECOVERY_ATTACKS
     recovery_maps_lr: float = 0.05  # the map attacks' Adam learning rate (constant; 0.05 beat 0.01 on tiny)
+    # ``dense``: the recovery original without the subspace (``residual.mode: dense``), so its frames are d x d
+    # rotations of the whole residual stream instead of k x k ones of its coordinates; ``preset``: as the preset is
+    recovery_residual: str = "preset"
 
     def __post_init__(self) -> None:
         if load_manifest(self.preset).residual.mode != "subspace":  # a bad name or file raises here too
@@ -100,6 +105,9 @@ class UpmBenchOptions:
             if bad_attacks or not self.recovery_attacks:
                 raise ValueError(f"unknown recovery attacks {sorted(bad_attacks)}: choose from "
                                  f"{', '.join(RECOVERY_ATTACKS)}")
+            if self.recovery_residual not in RECOVERY_RESIDUALS:
+                raise ValueError(f"recovery_residual must be one of {', '.join(RECOVERY_RESIDUALS)}, got "
+                                 f"{self.recovery_residual!r}")
             if not (0 < self.recovery_maps_lr < math.inf):
                 raise ValueError(f"recovery_maps_lr must be a positive finite number, got {self.recovery_maps_lr}")
 
@@ -353,6 +361,7 @@ def recovery(m: Manifest, model: PipelineModel, summary: dict, gaps: tuple[int, 
         enable_frames(st, allow_tied_copies=True)
     gen = torch.Generator().manual_seed(m.seed + 1)
     width, n = frame_width(stages[0]), len(stages)
+    original["frame_width"], original["residual_mode"] = width, m.residual.mode  # k x k (subspace) or d x d (dense)
 
     def rotate_every_boundary() -> None:
         for b in range(n - 1):
@@ -417,20 +426,20 @@ def summarize_recovery(rows: list[dict], target: float = RECOVERY_TARGET) -> tup
 # --------------------------------------------------------------------------- models
 
 
-def _preset(preset: str, seed: int, frames: str = "rotations") -> Manifest:
-    """The preset at ``seed``; with signed permutations on a subspace model, on a coordinate basis (where they are
-    exact, as the manifest requires of a swarm)."""
-    m = load_manifest(preset).with_overrides(seed=seed)
+def _preset(preset: str, seed: int, frames: str = "rotations", dense: bool = False) -> Manifest:
+    """The preset at ``seed`` (``dense``: without the subspace); with signed permutations on a subspace model, on a
+    coordinate basis (where they are exact, as the manifest requires of a swarm)."""
+    m = load_manifest(preset).with_overrides(seed=seed, **(DENSE if dense else {}))
     if frames == "signed_permutations" and m.residual.mode == "subspace":
         m = m.with_overrides(**{"residual.basis": "coordinates"})
     return m
 
 
 def _train(preset: str, seed: int, steps: int, eval_every: int,
-           frames: str = "rotations") -> tuple[Manifest, PipelineModel, dict]:
+           frames: str = "rotations", dense: bool = False) -> tuple[Manifest, PipelineModel, dict]:
     from agora.lab.train_local import train_model
 
-    m = _preset(preset, seed, frames)
+    m = _preset(preset, seed, frames, dense)
     logger.info(f"training {preset} (seed {seed}) for {steps} steps")
     summary, model = train_model(m, steps, eval_every=eval_every)
     return m, model, summary
@@ -496,15 +505,16 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
     torch.manual_seed(opts.seed)
     sections = set(opts.sections)
     result: dict = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.__dict__.items()}}
-    trained: dict[tuple[str, int], tuple[Manifest, PipelineModel, dict]] = {}
+    trained: dict[tuple[str, int, bool], tuple[Manifest, PipelineModel, dict]] = {}
     draw = frame_drawer(opts.frames)
 
-    def original(preset: str, seed: int) -> tuple[Manifest, PipelineModel, dict]:
-        # One trained model per (preset, seed), shared by stitching and recovery; evaluations change no weights.
-        if (preset, seed) not in trained:
+    def original(preset: str, seed: int, dense: bool = False) -> tuple[Manifest, PipelineModel, dict]:
+        # One trained model per (preset, seed, residual), shared by stitching and recovery; evaluations change no
+        # weights.
+        if (preset, seed, dense) not in trained:
             every = opts.recovery_eval_every if "recovery" in sections else 0
-            trained[preset, seed] = _train(preset, seed, opts.train_steps, every, opts.frames)
-        return trained[preset, seed]
+            trained[preset, seed, dense] = _train(preset, seed, opts.train_steps, every, opts.frames, dense)
+        return trained[preset, seed, dense]
 
     if "recovery" in sections:  # a bad stage or manifest fails here, before any training
         stage = _recovery_stage(load_manifest(opts.recovery_preset), opts.recovery_stage)
@@ -536,14 +546,15 @@ def run_upm_bench(opts: UpmBenchOptions) -> dict:
     if "recovery" in sections:
         originals, rows = [], []
         for seed in opts.recovery_seeds:
-            m, model, summary = original(opts.recovery_preset, seed)
+            m, model, summary = original(opts.recovery_preset, seed, opts.recovery_residual == "dense")
             o, r = recovery(m, model, summary, opts.recovery_gaps, stage, opts.recovery_max_steps,
                             opts.recovery_eval_every, opts.recovery_tolerance, draw=draw,
                             attacks=opts.recovery_attacks, maps_lr=opts.recovery_maps_lr)
             originals.append(o)
             rows += r
         by_gap, met = summarize_recovery(rows)
-        result["recovery"] = {"preset": opts.recovery_preset, "train_steps": opts.train_steps, "stage": stage,
+        result["recovery"] = {"preset": opts.recovery_preset, "residual": opts.recovery_residual,
+                              "train_steps": opts.train_steps, "stage": stage,
                               "n_stages": load_manifest(opts.recovery_preset).n_stages,
                               "max_steps": opts.recovery_max_steps, "eval_every": opts.recovery_eval_every,
                               "tolerance": opts.recovery_tolerance, "target_fraction": RECOVERY_TARGET,
@@ -607,6 +618,14 @@ _ATTACK_LABELS = {"full": "full fine-tuning", "maps": "boundary maps only",
                   "maps_full": "boundary maps + full fine-tuning"}
 
 
+def _frame_size(rec: dict) -> str:
+    """The frames' size in words (", dense residual: 512 x 512 frames"), when the result records it."""
+    first = (rec.get("originals") or [{}])[0]
+    if first.get("frame_width") is None:
+        return ""
+    return f", {first['residual_mode']} residual: {first['frame_width']} x {first['frame_width']} frames"
+
+
 def _recovery_markdown(rec: dict) -> str:
     verdict = {True: "met", False: "not met", None: "undetermined (raise --recovery-max-steps)"}
     cap = rec["max_steps"]
@@ -625,7 +644,8 @@ def _recovery_markdown(rec: dict) -> str:
     initial = sorted(x["initial_val_loss"] for x in o)
     return (f"### Recovery cost: `{rec['preset']}` trained {rec['train_steps']} steps, stage {rec['stage']} of "
             f"{rec['n_stages']} captured `gap` rotations of every boundary before the others\n\n"
-            f"Frames: {rec.get('frames', 'rotations').replace('_', ' ')}. Attacks: `full` fine-tunes every weight (the "
+            f"Frames: {rec.get('frames', 'rotations').replace('_', ' ')}"
+            f"{_frame_size(rec)}. Attacks: `full` fine-tunes every weight (the "
             f"manifest's optimizer and schedule from step 0, the bundled corpus); `maps` trains only the boundary "
             f"maps on both sides of the stale stage (Adam, lr {rec.get('maps_lr', 0.05):g}, the same batches); "
             f"`maps_full` both at once. Each "
