@@ -540,6 +540,7 @@ def bench_training(
     rank-4 residual of the pseudo-gradient), online curvature at a spiking learning rate, and the curvature tracker
     against the exact eigenvalue."""
     from agora.bench.training import OPTIMIZERS, SECTIONS, TrainingOptions, run
+    from agora.config import DENSE_RESIDUAL
     from agora.optim.curvature import METHODS
 
     _manifest(preset)  # a clear error for a bad preset or manifest path
@@ -562,8 +563,7 @@ def bench_training(
                              warmup_curvature_every=warmup_curvature_every,
                              curvature_method=curvature_method, tracker_steps=tracker_steps,
                              sections=parts,
-                             overrides={"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"}
-                             if residual == "dense" else {}), log=console.print)
+                             overrides=dict(DENSE_RESIDUAL) if residual == "dense" else {}), log=console.print)
 
 
 @bench_app.command("upm")

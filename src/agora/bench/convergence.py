@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.bench.common import markdown_table, write_result
+from agora.config import DENSE_RESIDUAL
 from agora.devices import check_precision, resolve_device
 from agora.lab.demo import DemoOptions, LinkOptions, NodeExtras, StopRule, SwarmShape, demo_manifest, run_demo
 from agora.lab.demo_summary import trainer_summaries
@@ -82,9 +83,8 @@ OPTIMIZERS = {"nadam": NADAM, "nadam_lookahead": {**NADAM, "optimizer.lookahead"
 # Manifest settings other rows change that only a swarm has (a centralized run has no pending step and no wire):
 # such a row is compared with the centralized arm without them.
 COORDINATES = {"residual.basis": "coordinates"}
-DENSE = {"residual.mode": "dense", "residual.k": None}
 OVERRIDES = {"serial_fp32_wire": {"residual.wire_dtype": "fp32"}, "replicas_coordinates": COORDINATES,
-             "serial_dense": {**DENSE, "residual.wire_dtype": "fp32"},
+             "serial_dense": dict(DENSE_RESIDUAL),
              "upm_signed": {**COORDINATES, "security.upm.transforms": "signed_permutations"}}
 SWARM_ONLY = ("optimizer.lookahead", "residual.wire_dtype", "security.upm.transforms")
 # Rows that compute exactly what a centralized run does but for the boundaries' rounding (one replica, one in flight):

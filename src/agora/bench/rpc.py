@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from agora.bench.common import markdown_table, write_result
-from agora.config import load_manifest
+from agora.config import DENSE_RESIDUAL, load_manifest
 from agora.net import transport
 from agora.net.dht import make_dht, visible_maddrs
 
@@ -78,7 +78,7 @@ async def _overhead(preset: str, mode: str, microbatches: int, log: Callable[[st
     m = load_manifest(preset)
     m = m.with_overrides(stages=[m.model.n_layers // 2, m.model.n_layers - m.model.n_layers // 2])
     if mode == "dense":
-        m = m.with_overrides(**{"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"})
+        m = m.with_overrides(**DENSE_RESIDUAL)
     boot = make_dht()
     dhts, nodes = [boot], []
     try:

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from agora.bench.common import markdown_table, write_result
-from agora.config import Manifest, even_split, load_manifest
+from agora.config import DENSE_RESIDUAL, Manifest, even_split, load_manifest
 from agora.data import TokenDataset, build_datasets, split_documents, load_documents, tokenize_documents
 from agora.frames import (FRAME_KINDS, enable_frames, exact_basis, frame_drawer, frame_width, haar_orthogonal,
                           rotate_boundary)
@@ -42,7 +42,6 @@ RECOVERY_TARGET = 0.6  # issue #17: recovering a stitched model needs >= 60% of 
 # (the maps at their own learning rate).
 RECOVERY_ATTACKS = ("full", "maps", "maps_full")
 RECOVERY_RESIDUALS = ("preset", "dense")
-DENSE = {"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"}
 
 
 @dataclass
@@ -429,7 +428,7 @@ def summarize_recovery(rows: list[dict], target: float = RECOVERY_TARGET) -> tup
 def _preset(preset: str, seed: int, frames: str = "rotations", dense: bool = False) -> Manifest:
     """The preset at ``seed`` (``dense``: without the subspace); with signed permutations on a subspace model, on a
     coordinate basis (where they are exact, as the manifest requires of a swarm)."""
-    m = load_manifest(preset).with_overrides(seed=seed, **(DENSE if dense else {}))
+    m = load_manifest(preset).with_overrides(seed=seed, **(DENSE_RESIDUAL if dense else {}))
     if frames == "signed_permutations" and m.residual.mode == "subspace":
         m = m.with_overrides(**{"residual.basis": "coordinates"})
     return m

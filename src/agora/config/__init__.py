@@ -18,6 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 PRESETS = ("tiny", "small", "medium", "agora-8b")
+# A preset without the subspace (manifest overrides): the boundary carries the residual stream itself, in fp32 so it
+# arrives unchanged. What ``--residual dense`` means in the demo and the benchmarks.
+DENSE_RESIDUAL = {"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"}
 
 
 class ManifestError(ValueError):

@@ -13,7 +13,7 @@ from typing import Optional
 
 import yaml
 
-from agora.config import Manifest, even_split, load_manifest
+from agora.config import DENSE_RESIDUAL, Manifest, even_split, load_manifest
 from agora.lab import netem
 
 
@@ -51,7 +51,7 @@ def demo_manifest(preset: str, stages: int, residual: Optional[str] = None,
     if stages != m.n_stages:
         m = m.with_overrides(stages=even_split(m.model.n_layers, stages))
     if residual == "dense":
-        m = m.with_overrides(**{"residual.mode": "dense", "residual.k": None, "residual.wire_dtype": "fp32"})
+        m = m.with_overrides(**DENSE_RESIDUAL)
     elif residual not in (None, "subspace"):
         raise ValueError(f"residual must be 'dense' or 'subspace', got {residual!r}")
     if overrides:
