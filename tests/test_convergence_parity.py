@@ -140,6 +140,51 @@ def test_a_stage_whose_peers_never_report_clips_by_its_own_norm():
         dht.shutdown()
 
 
+def test_a_stage_serving_far_from_our_step_is_not_waited_for():
+    """A stage whose last replica died and that a newcomer serves again from step 0 stays steps behind the others
+    for good. Before, every other stage waited the whole clip wait for its norm at every step (a step per 10 s in
+    test_elastic's empty-stage test, per averaging timeout in a real run). Now: a stage whose every serving peer is
+    2+ steps away is not waited for; one a step behind (a record read just before its step's announcement) is."""
+    from agora.net.records import PeerState, StageRecord
+
+    dht = make_dht(manifest=MAN)
+    try:
+        async def main():
+            async def run_io(fn, *args):
+                return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+            async def run_compute(fn, *args):
+                return fn(*args)
+
+            serving_at: list[int] = []
+
+            class Records:
+                async def get(self, stage, max_age_s=0.0):
+                    return [StageRecord(peer_id=f"p{i}", stage=stage, state=PeerState.SERVING.value,
+                                        manifest_hash=MAN.hash, step=s) for i, s in enumerate(serving_at)]
+
+            ctx = types.SimpleNamespace(manifest=MAN, dht=dht, peer_id=str(dht.peer_id), stage_index=0,
+                                        runtime=types.SimpleNamespace(is_tail=False), run_io=run_io,
+                                        run_compute=run_compute, records=Records())
+            clip = GlobalClip(ctx, tied_index=None, wait_s=3.0)
+            grads = [torch.full((10,), 3.0)]
+            waited = {}
+            for label, steps, key in [("behind", [2], 9), ("ahead", [30], 10), ("one near", [2, 10], 11),
+                                      ("one step behind", [11], 12)]:
+                serving_at[:] = steps
+                t0 = time.monotonic()
+                assert await clip.scale(key, grads) is None, label  # nobody published stage 1's norm
+                waited[label] = time.monotonic() - t0
+            return waited, clip.fallbacks
+
+        waited, fallbacks = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        dht.shutdown()
+    assert fallbacks == 4
+    assert waited["behind"] < 2.0 and waited["ahead"] < 2.0, waited  # one records check (0.5 s), not the wait
+    assert waited["one near"] >= 3.0 and waited["one step behind"] >= 3.0, waited
+
+
 def test_replicas_split_a_target_batch_into_shares_that_add_up_to_it():
     from agora.server.averaging.sync import batch_shares
 

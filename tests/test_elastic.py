@@ -162,8 +162,14 @@ def test_killed_replica_is_routed_around_and_an_empty_stage_waits_for_a_newcomer
             await _wait(trainer_waits, RECORD_TTL_S + 30, "the trainer's status line")
             stalled_at = counts.completed
             newcomer = await c.add(1, opts)
+            joined_at = time.time()
             await _wait(lambda: counts.completed >= stalled_at + 5, 90, "training to resume")
             assert newcomer.counters.forward >= 5
+            # The newcomer started stage 1 over from step 0, steps behind the head for good. The head's steps since
+            # do not wait out the clip wait for a gradient norm of its step that stage 1 will never publish (they
+            # did, one step per 10 s, until the clip learned to tell a stage that far behind).
+            since = [e["seconds"] for e in head.events if e["kind"] == "step" and e["t"] >= joined_at]
+            assert since and max(since) < opts.averaging_timeout_s, since
             stop.set()
             await asyncio.wait_for(run, 60)
             trainer.close()

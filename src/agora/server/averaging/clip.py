@@ -5,9 +5,9 @@ DHT (each tensor's fp32 norm, and their squared sum) and waits for the other sta
 then scales by ``min(1, clip / (global_norm + 1e-6))``, the factor ``torch.nn.utils.clip_grad_norm_`` applies to
 the whole model, computed from the tensors' norms in the model's order by the same float32 operations, so that
 from the same gradients the factor is bit for bit the centralized one. A tied embedding counts once (the head's
-copy). A stage whose peers' norms do not all arrive within ``wait_s`` (a stage stuck or far behind), or that misses
-a stage nobody serves, clips by its own norm, as before, and counts a fallback. Why: docs/AVERAGING.md ("Global-norm
-clipping").
+copy). A stage whose peers' norms do not all arrive within ``wait_s`` (a stage stuck), or that misses a stage nobody
+serves or whose every serving peer is at least ``FAR_STEPS`` steps from this one (it restarted without its state),
+clips by its own norm, as before, and counts a fallback. Why: docs/AVERAGING.md ("Global-norm clipping").
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ logger = logging.getLogger("agora.averaging")
 NORM_TTL_S = 120.0  # a step's norms are read within seconds; they expire on their own
 POLL_S = 0.05
 EMPTY_CHECK_S = 0.5  # after this long (and as often), check whether a stage whose norm is missing has any peer
+# A stage whose every serving peer announces a step this far from ours will not publish our step's norm: while we
+# clip step s every stage holds batch s (none takes it before stepping s - 1, none steps s + 1 before we pass it on),
+# so its peers are at s or s + 1, and a record read within one step of its announcement is at most one behind. A
+# stage that restarted from step 0 in a running swarm (its last replica died) stays that far behind for good.
+FAR_STEPS = 2
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 # Tensor norms a stage publishes at most: 9 bytes each in a record limited to MAX_VALUE_BYTES (8 KiB, signature and
 # certificate included). A stage of agora-8b has ~60 tensors; a stage with more publishes only its squared norm,
@@ -138,11 +143,14 @@ class GlobalClip:
             now = time.monotonic()
             if now > start + self.wait_s:
                 return self._fallback(step, f"no gradient norm of stage(s) {missing} within {self.wait_s:g}s")
-            if now > next_check:  # a stage nobody serves will never report: do not wait for it
+            if now > next_check:  # a stage nobody serves, or serves at another step, will never report this one
                 next_check = now + EMPTY_CHECK_S
-                empty = await self._unserved(missing)
+                empty, far = await self._not_coming(missing, step)
                 if empty:
                     return self._fallback(step, f"stage(s) {empty} have no serving peer")
+                if far:
+                    return self._fallback(step, "stage(s) " + ", ".join(f"{s} (at step {at})" for s, at in far)
+                                          + f" are {FAR_STEPS}+ steps from this one")
             await asyncio.sleep(POLL_S)
 
     async def others_reported(self, step: int) -> bool:
@@ -158,17 +166,21 @@ class GlobalClip:
         logger.warning(f"stage {self.ctx.stage_index}: step {step} clipped by this stage's own norm: {why}")
         return None
 
-    async def _unserved(self, stages: list[int]) -> list[int]:
-        """Those of ``stages`` without a serving peer in the DHT now (an unreadable stage counts as served)."""
-        c, empty = self.ctx, []
+    async def _not_coming(self, stages: list[int], step: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Of ``stages``: those without a serving peer in the DHT now, and (stage, nearest step) of those whose every
+        serving peer is ``FAR_STEPS`` or more steps from ``step`` (an unreadable stage counts as served and near)."""
+        c, empty, far = self.ctx, [], []
         for stage in stages:
             try:
                 records = await c.records.get(stage)  # now (or a read of it under way, shared with the node)
             except Exception:  # noqa: BLE001 (a slow read: keep waiting until the deadline)
                 continue
-            if not any(r.state == PeerState.SERVING.value for r in records):
+            steps = [r.step for r in records if r.state == PeerState.SERVING.value]
+            if not steps:
                 empty.append(stage)
-        return empty
+            elif all(abs(s - step) >= FAR_STEPS for s in steps):
+                far.append((stage, min(steps, key=lambda s: abs(s - step))))
+        return empty, far
 
     def _counted(self, scale: float) -> float:
         self.global_steps += 1
