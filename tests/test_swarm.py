@@ -127,6 +127,44 @@ def _kill_tree(proc):
     proc.wait(timeout=10)
 
 
+def test_validation_with_an_empty_stage_waits_once_says_why_and_gives_nan(caplog):
+    """A trainer stopped while a stage has no peer still runs its final validation pass: it waits up to one call
+    timeout for the pipeline as a whole, saying what it waits for, then gives NaN. Before, every batch waited a call
+    timeout of its own without a word (`agora train` with 8 batches: 16 minutes at the default 120 s)."""
+    from agora.client.trainer import TrainerOptions
+
+    caplog.set_level("WARNING", logger="agora")
+    timeout = 3.0
+
+    async def main():
+        async with local_swarm(MAN, [0]) as (boot, _peers, _nodes):  # stage 1 has no peer
+            trainer = Trainer(MAN, boot, shard=None, options=TrainerOptions(call_timeout_s=timeout))
+            await trainer.start()
+            try:
+                t0 = time.monotonic()
+                loss = await trainer.evaluate(_batches(8))
+                return loss, time.monotonic() - t0, trainer.val_batches_done
+            finally:
+                trainer.close()
+
+    loss, took, done = asyncio.run(main())
+    assert math.isnan(loss) and done == 0
+    assert timeout <= took < 3 * timeout, took  # one wait for the pipeline, not one per batch (8 x 3 s)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("validation: stage 1 has no peers; waiting" in m for m in said), said
+    assert any("validation skipped: stage 1 has had no serving peer" in m for m in said), said
+
+
+def test_train_refuses_counts_below_one_before_joining():
+    from typer.testing import CliRunner
+
+    from agora.cli import app
+
+    for flag, value in [("--max-tokens", "0"), ("--max-tokens", "-5"), ("--in-flight", "0")]:
+        res = CliRunner().invoke(app, ["train", "--manifest", "tiny", flag, value])
+        assert res.exit_code == 2 and flag in res.output, res.output
+
+
 def test_node_with_another_manifest_exits_naming_both_hashes(tmp_path):
     maddr_file = tmp_path / "boot.maddr"
     boot = _agora("bootstrap", "--manifest", "tiny", "--maddr-file", str(maddr_file))

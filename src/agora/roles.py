@@ -407,9 +407,13 @@ async def _train(trainer: Trainer, val, manifest: Manifest, run: TrainerRun) -> 
     settled = await trainer.wait_settled(trained_at, run.settle_s) if run.settle_s > 0 else None
     val_loss = None
     if batches:  # a stop signal ends training; the validation pass still runs (bounded by timeouts)
-        # With a curve, its last point: the model the run ended with.
-        val_loss = await (trainer.validate_point(batches, final=True) if run.eval_every_steps
-                          else trainer.evaluate(batches))
+        # With a curve, its last point: the model the run ended with. A failure here (the DHT gone slow or down)
+        # loses the validation loss, not the summary of what was trained.
+        try:
+            val_loss = await (trainer.validate_point(batches, final=True) if run.eval_every_steps
+                              else trainer.evaluate(batches))
+        except Exception as err:  # noqa: BLE001
+            logger.warning(f"validation failed: {err!r}")
     trainer.close()
     return {"val_loss": val_loss, "stats": asdict(stats), "settled": settled,
             "val_batches_done": trainer.val_batches_done}

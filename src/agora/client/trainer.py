@@ -173,6 +173,23 @@ class Trainer:
             await self.refresh()
         return False
 
+    async def _pipeline_within(self, timeout_s: float, what: str) -> bool:
+        """Whether every stage has a serving peer within ``timeout_s``, saying what is awaited while one has none."""
+        deadline, warned_at = time.monotonic() + timeout_s, -math.inf
+        while True:
+            empty = self.empty_stages()
+            if not empty:
+                return True
+            if time.monotonic() > deadline:
+                logger.warning(f"{what} skipped: stage {empty[0]} has had no serving peer for {timeout_s:.0f}s")
+                return False
+            if time.monotonic() - warned_at > self.opts.status_every_s:
+                logger.warning(f"{what}: stage {empty[0]} has no peers; waiting up to "
+                               f"{deadline - time.monotonic():.0f}s more")
+                warned_at = time.monotonic()
+            await asyncio.sleep(0.5)
+            await self.refresh()
+
     async def send(
         self, batch: torch.Tensor, train: bool = True, stop: Optional[asyncio.Event] = None
     ) -> Optional[float]:
@@ -300,8 +317,13 @@ class Trainer:
         return loss
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
-        """Validation loss through the swarm (forward only, no gradients, no optimizer effect)."""
+        """Validation loss through the swarm (forward only, no gradients, no optimizer effect); NaN, with a warning,
+        when some stage has had no serving peer for ``call_timeout_s``. Why the up-front check: each batch would
+        otherwise wait that long for a peer on its own, silently (8 batches: 16 minutes at the default)."""
         await self.refresh()
+        if not await self._pipeline_within(self.opts.call_timeout_s, "validation"):
+            self.val_batches_done = 0
+            return float("nan")
         losses = [await self.send(b, train=False) for b in batches]
         losses = [x for x in losses if x is not None]
         self.val_batches_done = len(losses)
