@@ -108,19 +108,26 @@ def test_two_replicas_per_stage_stay_within_1e_3_of_train_local():
     assert len(swarm) == steps and max(rel) < 1e-3, list(zip(swarm, local))  # measured: <= 1.2e-5
 
 
+def _clip_context(dht, **fields):
+    """What ``GlobalClip`` needs of a replica, for stage 0 of ``MAN`` on the DHT peer ``dht``: I/O on the loop's
+    default executor, compute inline; ``fields`` add to it (``records``)."""
+    async def run_io(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def run_compute(fn, *args):
+        return fn(*args)
+
+    return types.SimpleNamespace(manifest=MAN, dht=dht, peer_id=str(dht.peer_id), stage_index=0,
+                                 runtime=types.SimpleNamespace(is_tail=False), run_io=run_io, run_compute=run_compute,
+                                 **fields)
+
+
 def test_a_stage_whose_peers_never_report_clips_by_its_own_norm():
     dht = make_dht(manifest=MAN)
     try:
         async def main():
-            async def run_io(fn, *args):
-                return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-            async def run_compute(fn, *args):
-                return fn(*args)
-
-            runtime = types.SimpleNamespace(is_tail=False)
-            ctx = types.SimpleNamespace(manifest=MAN, dht=dht, peer_id=str(dht.peer_id), stage_index=0,
-                                        runtime=runtime, run_io=run_io, run_compute=run_compute)
+            ctx = _clip_context(dht)
+            run_io = ctx.run_io
             clip = GlobalClip(ctx, tied_index=None, wait_s=1.0)
             grads = [torch.full((10,), 3.0)]
             assert await clip.scale(7, grads) is None  # stage 1 never published step 7's norm
@@ -150,12 +157,6 @@ def test_a_stage_serving_far_from_our_step_is_not_waited_for():
     dht = make_dht(manifest=MAN)
     try:
         async def main():
-            async def run_io(fn, *args):
-                return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-            async def run_compute(fn, *args):
-                return fn(*args)
-
             serving_at: list[int] = []
 
             class Records:
@@ -163,10 +164,7 @@ def test_a_stage_serving_far_from_our_step_is_not_waited_for():
                     return [StageRecord(peer_id=f"p{i}", stage=stage, state=PeerState.SERVING.value,
                                         manifest_hash=MAN.hash, step=s) for i, s in enumerate(serving_at)]
 
-            ctx = types.SimpleNamespace(manifest=MAN, dht=dht, peer_id=str(dht.peer_id), stage_index=0,
-                                        runtime=types.SimpleNamespace(is_tail=False), run_io=run_io,
-                                        run_compute=run_compute, records=Records())
-            clip = GlobalClip(ctx, tied_index=None, wait_s=3.0)
+            clip = GlobalClip(_clip_context(dht, records=Records()), tied_index=None, wait_s=3.0)
             grads = [torch.full((10,), 3.0)]
             waited = {}
             for label, steps, key in [("behind", [2], 9), ("ahead", [30], 10), ("one near", [2, 10], 11),
