@@ -850,8 +850,8 @@ def train(
     max_tokens: Optional[int] = typer.Option(None, min=1, help="stop after this many tokens (default: until "
                                                                  "stopped)"),
     val_batches: int = typer.Option(4, min=0, help="validation microbatches to run through the swarm at the end"),
-    settle_s: float = typer.Option(0.0, min=0.0, help="before validating, wait up to this many seconds for every stage to "
-                                             "apply the samples it was sent (0: validate at once)"),
+    settle_s: float = typer.Option(0.0, min=0.0, help="before validating, wait up to this many seconds for every "
+                                                       "stage to apply the samples it was sent (0: validate at once)"),
     eval_every_steps: int = typer.Option(0, min=0, help="also validate on the same batches during training, each "
                                                         "time every stage has taken this many more optimizer steps "
                                                         "(0: only at the end)"),
