@@ -242,5 +242,11 @@ def test_demo_end_to_end(tmp_path):
     # (within averaging.agreement_tolerance: the kernels round differently) without downloading each other's state.
     kinds = sorted((c["precision"], c["optimizer_kernel"]) for c in summary["compute_per_node"].values())
     assert kinds == [("bf16", "fused")] * 2 + [("fp32", "single")] * 2, kinds
-    assert all(n["resyncs"] == 0 for n in summary["nodes"]), [n["resyncs"] for n in summary["nodes"]]
+    # A round hivemind finishes with part of the average missing ("received 88.0% results", CI 2026-12-07) is a
+    # failed round: that replica steps alone, then adopts a replica's state, and the next stage may too, since its
+    # replicas read the first stage's gradient norms before and after the lone step. Only then may a node resync:
+    # mixed precision alone must not make replicas download each other's state.
+    resyncs = [n["resyncs"] for n in summary["nodes"]]
+    failed = summary["rounds_failed"]
+    assert (sum(resyncs) == 0) if failed == 0 else (sum(resyncs) <= 2 * failed), (resyncs, failed)
     assert sum(n["agreed_within_tolerance"] for n in summary["nodes"]) >= 1, summary["nodes"]
