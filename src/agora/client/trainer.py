@@ -160,35 +160,27 @@ class Trainer:
             await self.run_io(announce, self.dht, acks_key(self.manifest.run_id), self.peer_id, acks)
 
     # ------------------------------------------------------------------ one microbatch
-    async def _wait_for_full_pipeline(self, stop: asyncio.Event) -> bool:
-        warned_at = 0.0
-        while not stop.is_set():
-            empty = self.empty_stages()
-            if not empty:
-                return True
-            if time.monotonic() - warned_at > self.opts.status_every_s:
-                logger.warning(f"stage {empty[0]} has no peers; waiting")
-                warned_at = time.monotonic()
-            await asyncio.sleep(0.5)
-            await self.refresh()
-        return False
-
-    async def _pipeline_within(self, timeout_s: float, what: str) -> bool:
-        """Whether every stage has a serving peer within ``timeout_s``, saying what is awaited while one has none."""
+    async def _wait_for_full_pipeline(self, stop: Optional[asyncio.Event] = None, timeout_s: float = math.inf,
+                                      what: str = "") -> bool:
+        """Whether every stage has a serving peer before ``stop`` is set or ``timeout_s`` passes, saying every
+        ``status_every_s`` what is awaited (``what``: whose wait it is, e.g. "validation")."""
         deadline, warned_at = time.monotonic() + timeout_s, -math.inf
-        while True:
+        prefix = f"{what}: " if what else ""
+        while stop is None or not stop.is_set():
             empty = self.empty_stages()
             if not empty:
                 return True
             if time.monotonic() > deadline:
-                logger.warning(f"{what} skipped: stage {empty[0]} has had no serving peer for {timeout_s:.0f}s")
+                logger.warning(f"{what or 'waiting'} skipped: stage {empty[0]} has had no serving peer for "
+                               f"{timeout_s:.0f}s")
                 return False
             if time.monotonic() - warned_at > self.opts.status_every_s:
-                logger.warning(f"{what}: stage {empty[0]} has no peers; waiting up to "
-                               f"{deadline - time.monotonic():.0f}s more")
+                more = f" up to {deadline - time.monotonic():.0f}s more" if math.isfinite(deadline) else ""
+                logger.warning(f"{prefix}stage {empty[0]} has no peers; waiting{more}")
                 warned_at = time.monotonic()
             await asyncio.sleep(0.5)
             await self.refresh()
+        return False
 
     async def send(
         self, batch: torch.Tensor, train: bool = True, stop: Optional[asyncio.Event] = None
@@ -321,7 +313,7 @@ class Trainer:
         when some stage has had no serving peer for ``call_timeout_s``. Why the up-front check: each batch would
         otherwise wait that long for a peer on its own, silently (8 batches: 16 minutes at the default)."""
         await self.refresh()
-        if not await self._pipeline_within(self.opts.call_timeout_s, "validation"):
+        if not await self._wait_for_full_pipeline(timeout_s=self.opts.call_timeout_s, what="validation"):
             self.val_batches_done = 0
             return float("nan")
         losses = [await self.send(b, train=False) for b in batches]
