@@ -212,3 +212,73 @@ def test_an_export_during_or_after_the_warmup_computes_what_the_run_computed(mod
             got = loaded.model(tokens)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         assert model.stages[1].active_depth == {5: 2, 9: 3, 14: 4}[step]  # the run's stages were not changed
+
+
+
+@pytest.mark.parametrize("name", ["adamw", "nadam", "muon"])
+def test_scaled_updates_are_steps_at_that_fraction_of_the_learning_rate(name):
+    """``optim.scaled_updates``: the listed parameters move as with ``factor x lr``, the others as usual, and the
+    optimizer's moments are what an unscaled step leaves (so replicas and state downloads see the usual state)."""
+    from agora.optim import build_optimizer, scaled_updates
+
+    cfg = TINY.optimizer.model_copy(update={"name": name, "lr": 0.01, "weight_decay": 0.1})
+    gen = torch.Generator().manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))  # noqa: E731
+    ramped, reference = make(), make()
+    opt_r, opt_ref = build_optimizer(ramped, cfg), build_optimizer(reference, cfg)
+    for step in range(3):
+        reference.load_state_dict(ramped.state_dict())  # the same weights; moments depend on the gradients only
+        grads = [torch.randn(p.shape, generator=gen) for p in ramped.parameters()]
+        for model in (ramped, reference):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+        before = [p.detach().clone() for p in ramped.parameters()]
+        with scaled_updates([(p, 0.25) for p in ramped[0].parameters()]):
+            opt_r.step()
+        opt_ref.step()
+        for p, q in zip(ramped[1].parameters(), reference[1].parameters()):
+            assert torch.equal(p, q)  # not listed: the usual step
+        for p, b, q in zip(ramped[0].parameters(), before, reference[0].parameters()):
+            assert (q - b).abs().max() > 1e-4
+            torch.testing.assert_close(p - b, 0.25 * (q - b), rtol=1e-4, atol=1e-7)  # fp32 rounding
+        for p, q in zip(ramped.parameters(), reference.parameters()):
+            for key, value in opt_r.state[p].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_ref.state[q][key])), (step, key)
+
+
+def test_a_joined_blocks_updates_ramp_with_its_write_in_a_stage_and_centralized():
+    """A block that joins gets its first updates at ``1/R``, ``2/R``, ... of the learning rate, as its write
+    (``write_scale``): Adam would otherwise move every weight of it by the full learning rate from its first step
+    whatever its write scale (its gradients' size divides out). Same in a stage runtime and in ``train-local``."""
+    from agora.optim import lr_at
+
+    m = WARM.with_overrides(**{"optimizer.total_steps": 20, "optimizer.warmup_steps": 0, "stages": [1, 3],
+                               "training.warmup_depth": {"until": 0.6, "ramp_steps": 3}})
+    # block 1 joins at clock 4 (after the step with index 3): its updates at steps 4, 5, 6 are 1/3, 2/3, 1 of lr
+    tail = StageRuntime(m, 1, Counters(), Observers(), options=RuntimeOptions())
+    q_proj = tail.stage.layers["1"].self_attn.q_proj.weight
+    wd = m.optimizer.weight_decay
+    factors = {}
+    for step in range(8):
+        before = q_proj.detach().clone()
+        # a constant gradient: Adam's update is then lr per element (m_hat / sqrt(v_hat) = 1), plus the decay
+        tail.apply_step([torch.full(p.shape, 0.01, dtype=torch.float64) for p in tail.stage.parameters()])
+        moved = (before - q_proj.detach()) / (lr_at(m.optimizer, step) * (1 + wd * before))
+        factors[step] = round(moved.mean().item(), 4)
+        assert moved.max() - moved.min() < 1e-3, step
+    assert factors == {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0, 4: round(1 / 3, 4), 5: round(2 / 3, 4), 6: 1.0, 7: 1.0}
+
+    def first_update(manifest) -> float:
+        seen = {}
+        train_model(manifest, 5, val_batches=1, after_step=lambda model, opt, step: seen.__setitem__(
+            step, model.stages[0].layers["1"].self_attn.o_proj.weight.detach().clone()))
+        return (seen[4] - seen[3]).abs().max().item()
+
+    central = m.with_overrides(**{"stages": [2, 2]})
+    ramped, unramped = first_update(central), first_update(
+        central.with_overrides(**{"training.warmup_depth.ramp_steps": 1}))
+    lr = lr_at(m.optimizer, 4)
+    # the zeroed output projection's first step: about lr per weight (Adam's first update is g / |g|); the other
+    # weights of the block get no gradient through it yet, and move from the next step on
+    assert 0.9 * lr < unramped < 1.1 * lr, (unramped, lr)
+    assert 0.9 * lr / 3 < ramped < 1.1 * lr / 3, (ramped, lr)
