@@ -480,11 +480,6 @@ class Stage(nn.Module):
         self.set_step(step)
         return joined
 
-    def ramping_parameters(self) -> list[tuple[nn.Parameter, float]]:
-        """(parameter, factor) for every parameter of a joined block still ramping up (``write_scales``): its
-        updates are scaled by its write scale (``optim.scaled_updates``; why: ``write_scale``)."""
-        return [(p, scale) for name, scale in self.write_scales.items() for p in self.layers[name].parameters()]
-
     def inactive_parameters(self) -> list[nn.Parameter]:
         """Parameters of bypassed blocks: frozen, and kept out of the optimizer (no gradient, no decay)."""
         return [p for name, block in self.layers.items() if int(name) >= self.active_depth
@@ -584,13 +579,7 @@ def write_scale(manifest: Manifest, layer: int, step: int) -> float:
     step moves every weight by about the learning rate, and in subspace mode the write passes through a gain-less
     RMSNorm that makes any non-zero write full size. Measured on ``small`` at 10x the learning rate without it, the
     training loss jumped from 7.8 to 22.0 as the last blocks joined. At the join step the scale is ``1 / R`` on a
-    zero write (the function is unchanged, and the block still gets a gradient).
-
-    The same factor scales the block's updates (``Stage.ramping_parameters``): Adam divides the write scale out of
-    the block's gradients, so with the write ramp alone every weight of the block, attention and MLP inputs too,
-    still moved by about the learning rate from its first step (a learning-rate warm-up the block never had).
-    Measured on ``small`` at 10x the learning rate over 200 steps, without it: loss 6.8 -> 23-26 two steps after
-    the fifth block joined (docs/OPTIMIZER.md)."""
+    zero write (the function is unchanged, and the block still gets a gradient)."""
     ramp = ramp_steps(manifest)
     if ramp == 1 or manifest.training.warmup_depth is None:
         return 1.0
@@ -678,10 +667,6 @@ class PipelineModel(nn.Module):
         """Architecture warm-up: activate the blocks due after ``step`` optimizer steps and move the joined blocks'
         write ramps on (``Stage.grow_for_step``)."""
         return [name for stage in self.stages for name in stage.grow_for_step(step)]
-
-    def ramping_parameters(self) -> list[tuple[nn.Parameter, float]]:
-        """Every stage's ``Stage.ramping_parameters``."""
-        return [pair for stage in self.stages for pair in stage.ramping_parameters()]
 
 
 # --------------------------------------------------------------------------- size accounting

@@ -17,7 +17,7 @@ from agora.config import Manifest
 from agora.data import build_datasets
 from agora.devices import autocast, check_precision, memory_report, resolve_device
 from agora.model import PipelineModel, count_parameters, flops_per_token, warmup_end, warmup_measurement
-from agora.optim import build_optimizer, lr_at, scaled_updates, set_lr, use_fused_kernel
+from agora.optim import build_optimizer, lr_at, set_lr, use_fused_kernel
 from agora.optim.curvature import CurvatureTracker, alarm_threshold, tracked_parameters, warmup_holds
 
 
@@ -236,8 +236,7 @@ def train_step(model: PipelineModel, opt, batches, accum: int, grad_clip: float,
         loss.backward()
         total += loss.item()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    with scaled_updates(model.ramping_parameters()):  # architecture warm-up: joined blocks ramp their updates
-        opt.step()
+    opt.step()
     opt.zero_grad(set_to_none=True)
     return total
 

@@ -6,9 +6,8 @@ baseline would make every swarm-vs-centralized comparison meaningless.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import nn
@@ -99,18 +98,3 @@ def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, step: int) ->
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
-
-
-@contextlib.contextmanager
-def scaled_updates(scaled: Sequence[tuple[torch.Tensor, float]]) -> Iterator[None]:
-    """Optimizer steps taken inside move each listed parameter by ``factor`` times its update, and the others as
-    usual. For an update linear in the learning rate (AdamW, NAdam, Muon: ``p <- p (1 - lr wd) - lr u``, with the
-    moments updated independently of ``lr``) that is exactly a step at ``factor x lr`` for those parameters.
-
-    Why not a param group per factor: the optimizer's groups (decay, Muon's matrices) and its state layout stay what
-    every replica, checkpoint and state download expects; this needs a copy of only the listed parameters."""
-    kept = [(p, p.detach().clone(), f) for p, f in scaled if f != 1.0]
-    yield
-    with torch.no_grad():
-        for p, before, factor in kept:
-            p.lerp_(before, 1.0 - factor)  # before + factor * (after - before)

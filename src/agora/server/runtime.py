@@ -30,7 +30,7 @@ from agora.model import KVCache, Stage, tied_parameter
 from agora.frames import FRAME_MAP, check_frame_map
 from agora.server.upm import FRAME_EPOCHS, FrameLedger
 from agora.net.transport import RpcError
-from agora.optim import OPTIMIZER_KERNELS, build_optimizer, scaled_updates, set_lr, use_fused_kernel
+from agora.optim import OPTIMIZER_KERNELS, build_optimizer, set_lr, use_fused_kernel
 from agora.server.checkpoint import save_stage_checkpoint
 from agora.server.curvature import StageCurvature
 from agora.server.observers import Observers
@@ -702,9 +702,7 @@ class StageRuntime:
             if tied is not None:
                 torch.nn.utils.clip_grad_norm_([tied], clip)
         set_lr(self.optimizer, self.manifest.optimizer, self.step)
-        # architecture warm-up: a joined block's updates ramp as its write does (``model.write_scale``)
-        with scaled_updates([(self._master(p), f) for p, f in self.stage.ramping_parameters()]):
-            self.optimizer.step()
+        self.optimizer.step()
         if self._masters is not None:
             with torch.no_grad():
                 for p, q in zip(params, stepped):
