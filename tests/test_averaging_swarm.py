@@ -62,25 +62,27 @@ async def _train(man, steps: int, check_each_step=None):
     async with local_swarm(man, [0, 0, 1], OPTS) as (boot, peers, nodes):
         trainer = Trainer(man, boot, shard=None)
         await trainer.start()
-        await _wait(lambda: len(trainer.swarm[0]) == 2 and len(trainer.swarm[1]) == 1, 30, "all peers to announce")
-        heads = [n for n in nodes if n.stage_index == 0]
-        data = _batches(man, 4)  # one step = 4 microbatches of 4 = target_batch_size 16, the same data every step
-        val = data[:2]
-        losses = [await trainer.evaluate(val)]
-        for step in range(1, steps + 1):
-            sent = await asyncio.gather(*(trainer.send(b) for b in data))
-            assert all(x is not None for x in sent), sent
-            await _wait(lambda: all(n.step >= step and n.runtime.samples == 0 for n in nodes), 40, f"step {step}")
-            if check_each_step is not None:
-                try:
-                    await check_each_step(heads, step)
-                except AssertionError as err:
-                    _raise_if_partial(heads, f"step {step}: {err}")
-                    raise
-        losses.append(await trainer.evaluate(val))
-        trainer.close()
-        _raise_if_partial(heads)
-        return losses, heads
+        try:  # closed on every way out: a run that is retried must not leave its trainer's I/O threads behind
+            await _wait(lambda: len(trainer.swarm[0]) == 2 and len(trainer.swarm[1]) == 1, 30, "all peers to announce")
+            heads = [n for n in nodes if n.stage_index == 0]
+            data = _batches(man, 4)  # one step = 4 microbatches of 4 = target_batch_size 16, the same data every step
+            val = data[:2]
+            losses = [await trainer.evaluate(val)]
+            for step in range(1, steps + 1):
+                sent = await asyncio.gather(*(trainer.send(b) for b in data))
+                assert all(x is not None for x in sent), sent
+                await _wait(lambda: all(n.step >= step and n.runtime.samples == 0 for n in nodes), 40, f"step {step}")
+                if check_each_step is not None:
+                    try:
+                        await check_each_step(heads, step)
+                    except AssertionError as err:
+                        _raise_if_partial(heads, f"step {step}: {err}")
+                        raise
+            losses.append(await trainer.evaluate(val))
+            _raise_if_partial(heads)
+            return losses, heads
+        finally:
+            trainer.close()
 
 
 async def _identical(heads, step):
