@@ -33,8 +33,9 @@ _wait = wait_until
 
 class PartialAllreduce(Exception):
     """hivemind finished an all-reduce of this run with part of the average missing (a reducer's reply cut short,
-    "peer ... sent 7 parts, but we expected 8"; twice in CI on 2026-12-07). The swarm handles it as designed (a failed
-    round, then the replicas' repair), but these tests check what a scheme does in rounds that complete."""
+    "peer ... sent 7 parts, but we expected 8"; CI failed on it on 2026-12-07, here and in test_demo_end_to_end). The
+    swarm handles it as designed (a failed round, then the replicas' repair), but these tests check what a scheme
+    does in rounds that complete."""
 
 
 def _raise_if_partial(heads, cause: str = "") -> None:
