@@ -230,8 +230,10 @@ def test_codec_settings_are_validated_and_leave_other_hashes_alone():
         BASE.with_overrides(averaging={"scheme": "full", "codec": "float16"})
     with pytest.raises(ManifestError, match="resync_every only applies"):
         BASE.with_overrides(averaging={"scheme": "diloco", "resync_every": 4})
-    with pytest.raises(ManifestError, match="clamp every weight"):
-        BASE.with_overrides(averaging={"scheme": "gossip", "codec": "uint8"})
+    gossip = BASE.with_overrides(averaging={"scheme": "gossip", "codec": "uint8", "resync_every": 4})
+    assert gossip.averaging.codec == "uint8" and gossip.averaging.resync_every == 4
+    with pytest.raises(ManifestError, match="resync_every only applies"):
+        BASE.with_overrides(averaging={"scheme": "gossip", "resync_every": 4})
     with pytest.raises(ManifestError):
         BASE.with_overrides(averaging={"scheme": "diloco", "codec": "int4"})
     assert "codec" not in _diloco(4).canonical_json()  # the fields came later: DiLoCo manifests keep their hash

@@ -266,7 +266,9 @@ class AveragingConfig(_Strict):
     ``codec`` (diloco, gossip): ``float16`` or ``uint8`` compress what a round sends. DiLoCo then averages the
     pseudo-gradient alone (float32, compressed) and every replica takes the outer step from it; replicas drift apart by
     the codec's rounding, and every ``resync_every``-th outer round is the exact one that pulls them together. Gossip
-    exchanges its parameters compressed (docs/AVERAGING.md, "Compressed rounds").
+    exchanges the difference of its parameters from a reference the pair holds (the common start, then the pair's
+    last exact exchange), compressed; every ``resync_every``-th round's exchanges are exact (docs/AVERAGING.md,
+    "Compressed rounds").
     """
 
     scheme: Literal["full", "powersgd", "sparse", "diloco", "gossip"] = "full"
@@ -289,10 +291,11 @@ class AveragingConfig(_Strict):
     q: int = Field(default=1, ge=0, le=4, description="blocking Mix2 ring rounds per outer step (gossip only)")
     codec: Literal["none", "float16", "uint8"] = Field(
         default="none", description="diloco/gossip: how a round's payload travels: none (exact), float16 or uint8 "
-        "(diloco: the pseudo-gradient alone, compressed; gossip: the parameters, float16 only)")
+        "(diloco: the pseudo-gradient alone, compressed; gossip: the parameters' difference from the pair's reference)")
     resync_every: int = Field(default=8, ge=1, le=100_000,
-                              description="diloco with a codec: every N-th outer round is exact (parameters and "
-                              "momentum in float64), so the codec's rounding cannot pull replicas apart for good")
+                              description="diloco/gossip with a codec: every N-th outer round is exact (diloco: "
+                              "parameters and momentum in float64; gossip: parameters in float32, which renews each "
+                              "pair's reference), so the codec's rounding cannot pull replicas apart for good")
     agreement_tolerance: float = Field(
         default=1e-5, ge=0, le=0.01,
         description="full/powersgd: replicas at one step whose sampled parameters differ by at most this relative "
@@ -332,13 +335,10 @@ class AveragingConfig(_Strict):
         if self.scheme not in ("diloco", "gossip") and changed("codec"):
             raise ValueError(f"averaging.codec only applies to schemes 'diloco' and 'gossip' (scheme is "
                              f"{self.scheme!r}); remove it or set averaging.scheme: diloco or gossip")
-        if self.scheme == "gossip" and self.codec == "uint8":
-            raise ValueError("averaging.codec uint8 does not apply to scheme 'gossip': its exchanges carry parameters, "
-                             "and 256 levels per part clamp every weight beyond 3 standard deviations (the outliers a "
-                             "model keeps); use codec float16")
-        if (self.scheme != "diloco" or self.codec == "none") and changed("resync_every"):
-            raise ValueError("averaging.resync_every only applies to scheme 'diloco' with a codec (float16 or uint8); "
-                             "remove it or set averaging.codec")
+        if self.scheme not in ("diloco", "gossip") or self.codec == "none":
+            if changed("resync_every"):
+                raise ValueError("averaging.resync_every only applies to schemes 'diloco' and 'gossip' with a codec "
+                                 "(float16 or uint8); remove it or set averaging.codec")
         if self.scheme != "gossip" and changed("q"):
             raise ValueError(f"averaging.q only applies to scheme 'gossip' (scheme is {self.scheme!r}); remove it "
                              f"or set averaging.scheme: gossip")

@@ -99,7 +99,9 @@ class CountingCompression(CompressionBase):
     processes.
 
     Every serialized part names its own compression type and the reducer answers in the same one, so ``uint8``
-    sends parts of fewer than ``MIN_QUANTIZED_VALUES`` values uncompressed."""
+    sends parts of fewer than ``MIN_QUANTIZED_VALUES`` values uncompressed, and ``set_exact(True)`` sends the next
+    rounds' parts uncompressed (gossip's exact exchanges, through the same averager as its compressed ones). Both
+    the counter and the switch are in shared memory: the averager's process reads them."""
 
     def __init__(self, codec: str = "none") -> None:
         super().__init__()
@@ -113,10 +115,21 @@ class CountingCompression(CompressionBase):
         self._small = NoCompression() if codec == "uint8" else self._base
         self.compression_type = self._base.compression_type
         self._sent = mp.Value("q", 0)
+        self._exact = mp.Value("b", 0)
+
+    def set_exact(self, exact: bool) -> None:
+        """Send the following rounds' parts uncompressed (``True``) or in the codec's format (``False``)."""
+        self._exact.value = 1 if exact else 0
+
+    @property
+    def exact(self) -> bool:
+        return bool(self._exact.value)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         base = self._base
-        if self._small is not base and tensor.numel() < MIN_QUANTIZED_VALUES:
+        if self._exact.value:
+            base = NoCompression()
+        elif self._small is not base and tensor.numel() < MIN_QUANTIZED_VALUES:
             base = self._small
         message = base.compress(tensor, info, allow_inplace)
         with self._sent.get_lock():

@@ -13,6 +13,10 @@ Every exchange is a pair: hivemind's averager with ``target_group_size=2`` and t
 pass, pair index), so a pair meets only its partner. A partner that is dead or late leaves the exchange unmatched:
 the replica keeps its own value for that exchange (the dead edge drops out, as Metropolis-Hastings weights do), and
 training goes on. ``q = 0`` puts no byte on the wire at a phase end.
+
+With ``averaging.codec`` a pair averages its parameters' *difference from a reference both hold*, compressed: the
+common start (seed weights, by fingerprint), later the result of the pair's last exact exchange, which every
+``resync_every``-th round is (docs/AVERAGING.md, "Compressed rounds").
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from agora.optim.gossip import exponential_edges
 from agora.optim.outer import nesterov_outer_step
 from agora.server.averaging.allreduce import GuardedAverager
 from agora.server.averaging.diloco import DiLoCoSync
-from agora.server.averaging.sync import SyncContext
+from agora.server.averaging.sync import SyncContext, parameter_fingerprint
 
 logger = logging.getLogger("agora.averaging")
 
@@ -64,10 +68,26 @@ class GossipSync(DiLoCoSync):
         self._mixed: Optional[list[torch.Tensor]] = None  # its result (None: no partner, or the exchange failed)
         self.blocking_bytes = self.background_bytes = 0
         self.exchanges_ok = self.exchanges_failed = 0
+        self.exchanges_compressed = 0  # of exchanges_ok: sent as a difference from a shared reference, compressed
+        self.reference_mismatches = 0  # exchanges discarded because the pair held different references
+        # With a codec, the references this replica shares with its partners: partner peer id -> (reference id, the
+        # parameters both hold, to the last bit or within float32 rounding). ``_start_reference`` is the phase
+        # start every seeded replica begins from; it stands for any partner without a reference of its own until
+        # an exchange shows the partner does not hold it (``_no_start``).
+        self._references: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        self._start_reference: Optional[tuple[str, list[torch.Tensor]]] = None
+        self._no_start: set[str] = set()
+        if self.codec != "none":
+            self._start_reference = (f"start:{parameter_fingerprint(ctx.runtime.stage)!r}",
+                                     [t.clone() for t in self.outer])
+
+    @property
+    def codec(self) -> str:
+        return self.ctx.manifest.averaging.codec
 
     def wire_codec(self) -> str:
-        # Every exchange carries parameters, in float16 with ``averaging.codec`` set: the pair ends apart by the
-        # codec's rounding of parameters, which later exchanges mix away (docs/AVERAGING.md).
+        # With a codec, a compressed exchange carries the difference from the pair's reference in the codec's
+        # format, an exact one (``compression.set_exact``) the parameters in float32 (docs/AVERAGING.md).
         return self.ctx.manifest.averaging.codec
 
     def _make_payload_averager(self) -> GuardedAverager:
@@ -86,6 +106,33 @@ class GossipSync(DiLoCoSync):
     def _state_replaced(self) -> None:
         super()._state_replaced()
         self._mixed = None  # a Mix1 of the trajectory left behind
+        self._references.clear()  # references of the trajectory left behind: the next exchanges are exact
+        self._start_reference = None
+
+    # ------------------------------------------------------------------ references (with a codec)
+    def _reference_for(self, partner: str, round_index: int) -> Optional[tuple[str, list[torch.Tensor]]]:
+        """The reference to send our difference from in an exchange with ``partner`` in round ``round_index``, or
+        None for an exact exchange: no codec, every ``resync_every``-th round, or no reference in common. Both ends
+        compute the same answer from the same history; where their histories differ (one end saw an exchange fail
+        that the other completed, a joiner), the reference ids they gather differ and the exchange is discarded."""
+        if self.codec == "none" or round_index % self.resync_every == 0:
+            return None
+        if partner in self._references:
+            return self._references[partner]
+        if partner not in self._no_start:
+            return self._start_reference
+        return None
+
+    def _forget_reference(self, partner: str) -> None:
+        """After a failed or mismatched exchange: the next one with ``partner`` is exact (the partner does the same,
+        as it saw the same failure or mismatch, or holds no reference for us at all)."""
+        self._references.pop(partner, None)
+        self._no_start.add(partner)
+
+    def _prune_references(self, live: list[str]) -> None:
+        """Drop the references of partners that left (each is a copy of the stage's parameters)."""
+        for partner in [p for p in self._references if p not in live]:
+            del self._references[partner]
 
     # ------------------------------------------------------------------ the live graph
     async def _ranked(self, step: int) -> tuple[list[str], int]:
@@ -105,24 +152,50 @@ class GossipSync(DiLoCoSync):
         async def partner_alive() -> bool:
             return any(r.peer_id == partner and r.state == PeerState.SERVING.value for r in await self.replicas())
 
+        reference = self._reference_for(partner, self._round_of(label))
+        reference_id = reference[0] if reference is not None else ""
         try:
             await c.run_io(lambda: self.averager.set_group_bits(bits, wait=False).result(timeout=DHT_TIMEOUT_S))
             with self.averager.get_tensors() as bufs:
-                for b, v in zip(bufs, values):
-                    b.copy_(v)
-            control = await c.run_io(lambda: self.averager.step(weight=1.0, gather={"exchange": label},
-                                                                timeout=timeout, allow_retries=True, wait=False))
+                for i, (b, v) in enumerate(zip(bufs, values)):
+                    b.copy_(v if reference is None else v - reference[1][i])
+            self.compression.set_exact(reference is None)
+            gather = {"exchange": label, "reference": reference_id}
+            control = await c.run_io(lambda: self.averager.step(weight=1.0, gather=gather, timeout=timeout,
+                                                                allow_retries=True, wait=False))
             result = await self._await_round(control, None, timeout, alive=partner_alive)
         except Exception as err:  # an exchange that failed, not a failed node
             logger.info(f"stage {c.stage_index}: gossip exchange {label} raised {err!r}")
             result = None
-        labels = {g.get("exchange") for g in result.values() if isinstance(g, dict)} if result else set()
+        gathered = [g for g in result.values() if isinstance(g, dict)] if result else []
+        labels = {g.get("exchange") for g in gathered}
         if result is None or len(result) != 2 or labels != {label} or await self._untrusted(result):
             self.exchanges_failed += 1
+            if self.codec != "none":
+                self._forget_reference(partner)
+            return None
+        if {g.get("reference") for g in gathered} != {reference_id}:
+            # Each end sent a difference from another reference (or one sent its parameters): the average means
+            # nothing. Both ends see it; the next exchange of the pair is exact.
+            logger.info(f"stage {c.stage_index}: gossip exchange {label} discarded: the pair held different "
+                        f"references ({sorted(str(g.get('reference')) for g in gathered)})")
+            self.reference_mismatches += 1
+            self.exchanges_failed += 1
+            self._forget_reference(partner)
             return None
         self.exchanges_ok += 1
         with self.averager.get_tensors() as bufs:
-            return [b.clone() for b in bufs]
+            if reference is None:
+                out = [b.clone() for b in bufs]
+                if self.codec != "none":  # an exact average: both ends hold it within float32 rounding
+                    self._references[partner] = (label, [t.clone() for t in out])
+                return out
+            self.exchanges_compressed += 1
+            return [r + b for r, b in zip(reference[1], bufs)]
+
+    def _round_of(self, label: str) -> int:
+        """The round index of an exchange, from its label (``mix1-<boundary>``, ``mix2-<step>-<r>-<k>``)."""
+        return int(label.split("-")[1]) // self.every
 
     # ------------------------------------------------------------------ Mix1, in the background
     def _make_codec_averager(self) -> None:
@@ -165,6 +238,7 @@ class GossipSync(DiLoCoSync):
         mixed, self._mixed = self._mixed, None
         new = await c.run_compute(self._outer_step, mixed, step)
         ranked, me = await self._ranked(step)
+        self._prune_references(ranked)
         for r in range(self.q if len(ranked) > 1 else 0):
             for k, matching in enumerate(ring_matchings(len(ranked))):
                 pair = next(((i, j) for i, j in matching if me in (i, j)), None)
