@@ -16,7 +16,7 @@ def test_every_scheme_is_a_valid_averaging_spec():
         assert section["scheme"] == scheme.split("_")[0], (scheme, section)
     with pytest.raises(ValueError, match="unknown scheme"):
         opts.averaging_spec("allreduce")
-    # A codec after diloco or gossip; the manifest validates the combination (gossip takes float16 only).
+    # A codec after diloco or gossip; the manifest validates the combination.
     from agora.config import load_manifest
     assert opts.averaging_spec("diloco+uint8") == "diloco,every=5,codec=uint8"
     assert load_manifest("tiny").with_overrides(

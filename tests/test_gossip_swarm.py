@@ -102,6 +102,14 @@ def test_gossip_mixes_phase_starts_in_the_background_and_pairs_at_the_phase_end(
                                                                              b.stage.parameters())))
                 scales.append(max(float((w - r).abs().max()) for w, r in zip(want[a.peer_id], seed)))
             await wait_until(lambda: all(n.sync._mix1_task.done() for n in nodes), 30, "the last Mix1")
+            if codec == "uint8":  # the counters reach the summary and /metrics
+                from agora.ops.metrics import NodeCollector
+                from agora.roles import node_summary
+                summary = node_summary(a)
+                assert summary["gossip_exchanges_compressed"] == a.sync.exchanges_compressed > 0
+                assert summary["gossip_reference_mismatches"] == 0
+                families = {f.name: f for f in NodeCollector(a).collect()}
+                assert families["agora_gossip_exchanges_compressed"].samples[0].value == a.sync.exchanges_compressed
             return a, b, seen, errors, scales
 
     a, b, seen, errors, scales = asyncio.run(main())
@@ -191,3 +199,25 @@ def test_an_exchange_gives_up_as_soon_as_its_partner_is_gone():
     result = asyncio.run(ReplicaSync._await_round(fake, control, None, 60.0, alive=partner_alive))
     assert result is None and control.cancelled and fake.aborted_rounds == 1
     assert len(checks) == 2 and time.monotonic() - t0 < 5.0
+
+
+def test_which_reference_an_exchange_sends_its_difference_from():
+    """With a codec: the pair's own reference, else the common start, and none (an exact exchange) every
+    ``resync_every``-th round, after a failed or mismatched exchange with that partner, and without a codec."""
+    from types import SimpleNamespace
+
+    from agora.server.averaging.gossip import GossipSync
+
+    start = ("start:1.0", [torch.zeros(2)])
+    fake = SimpleNamespace(codec="uint8", resync_every=4, _references={}, _no_start=set(), _start_reference=start)
+    ref = lambda partner, round_index: GossipSync._reference_for(fake, partner, round_index)  # noqa: E731
+    assert ref("p", 1) is start and ref("p", 4) is None and ref("p", 0) is None  # rounds 0, 4, 8...: exact
+    fake._references["p"] = ("mix2-8-0-0", [torch.ones(2)])
+    assert ref("p", 5)[0] == "mix2-8-0-0" and ref("q", 5) is start  # q has no exchange of its own with us yet
+    GossipSync._forget_reference(fake, "p")
+    assert ref("p", 5) is None and ref("q", 5) is start  # p's next exchange is exact; q keeps the common start
+    fake._references["q"] = ("mix1-8", [torch.ones(2)])
+    GossipSync._prune_references(fake, ["me", "p"])  # q left: its copy of the parameters goes
+    assert "q" not in fake._references
+    fake.codec = "none"
+    assert ref("q", 5) is None

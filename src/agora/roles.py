@@ -336,6 +336,9 @@ def node_summary(node: StageNode, rounds: Optional[RoundClock] = None) -> dict:
         "gossip_blocking_bytes": sum(getattr(s, "blocking_bytes", 0) for s in syncs),
         "gossip_background_bytes": sum(getattr(s, "background_bytes", 0) for s in syncs),
         "gossip_exchanges_failed": sum(getattr(s, "exchanges_failed", 0) for s in syncs),
+        # gossip with a codec: exchanges sent compressed, and those discarded for a reference the pair did not share
+        "gossip_exchanges_compressed": sum(getattr(s, "exchanges_compressed", 0) for s in syncs),
+        "gossip_reference_mismatches": sum(getattr(s, "reference_mismatches", 0) for s in syncs),
         "moves": node.moves,
         # compute seconds over seconds alive; the replicas' sampled relative parameter spread at one step
         "utilisation": node.utilisation(),

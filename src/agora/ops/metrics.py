@@ -232,7 +232,14 @@ class NodeCollector(Collector):
                 exchanged.add_metric(["background"], sync.background_bytes)
                 yield exchanged
                 yield CounterMetricFamily("agora_gossip_exchanges_failed", "Pairwise gossip exchanges that found "
-                                          "no partner in time.", value=sync.exchanges_failed)
+                                          "no partner in time, or whose pair held different references.",
+                                          value=sync.exchanges_failed)
+                yield CounterMetricFamily("agora_gossip_exchanges_compressed", "Pairwise gossip exchanges sent as "
+                                          "the difference from the pair's reference, compressed (averaging.codec).",
+                                          value=sync.exchanges_compressed)
+                yield CounterMetricFamily("agora_gossip_reference_mismatches", "Pairwise gossip exchanges discarded "
+                                          "because the pair held different references.",
+                                          value=sync.reference_mismatches)
             yield CounterMetricFamily("agora_averaging_bytes_sent",
                                       "All-reduce payload bytes this replica sent to its round partners.",
                                       value=sync.bytes_sent)
