@@ -221,3 +221,14 @@ def test_which_reference_an_exchange_sends_its_difference_from():
     assert "q" not in fake._references
     fake.codec = "none"
     assert ref("q", 5) is None
+
+
+def test_the_start_reference_names_the_weights_it_holds():
+    from agora.server.averaging.gossip import tensors_fingerprint
+
+    weights = [torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), torch.ones(5)]
+    same = [t.clone() for t in weights]
+    moved = [t.clone() for t in weights]
+    moved[0][1, 2] += 1e-6
+    assert tensors_fingerprint(weights) == tensors_fingerprint(same) != tensors_fingerprint(moved)
+    assert tensors_fingerprint(weights) != tensors_fingerprint(weights[::-1])  # order matters
