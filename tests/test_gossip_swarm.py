@@ -224,7 +224,7 @@ def test_which_reference_an_exchange_sends_its_difference_from():
 
 
 def test_the_start_reference_names_the_weights_it_holds():
-    from agora.server.averaging.gossip import tensors_fingerprint
+    from agora.server.averaging.sync import tensors_fingerprint
 
     weights = [torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), torch.ones(5)]
     same = [t.clone() for t in weights]

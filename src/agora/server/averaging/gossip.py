@@ -33,7 +33,7 @@ from agora.optim.gossip import exponential_edges
 from agora.optim.outer import nesterov_outer_step
 from agora.server.averaging.allreduce import GuardedAverager
 from agora.server.averaging.diloco import DiLoCoSync
-from agora.server.averaging.sync import SyncContext
+from agora.server.averaging.sync import SyncContext, tensors_fingerprint
 
 logger = logging.getLogger("agora.averaging")
 
@@ -56,14 +56,6 @@ def pair_bits(round_index: int, exchange: int, pair: int) -> str:
     """The group key bits of one pairwise exchange: 2 bits of round, 4 of exchange (0: Mix1, 1..: Mix2 matchings),
     ``PAIR_BITS`` of pair index. Two replicas with the same bits form a group of two; nobody else has them."""
     return f"{round_index % 4:02b}{exchange % 16:04b}{pair % (1 << PAIR_BITS):0{PAIR_BITS}b}"
-
-
-def tensors_fingerprint(tensors: list[torch.Tensor]) -> float:
-    """An exact checksum of ``tensors``: equal floats iff (almost surely) equal tensors (as ``parameter_fingerprint``)."""
-    total = 0.0
-    for i, t in enumerate(tensors):
-        total += float(t.double().sum()) * (1 + i * 1e-3) + float(t.double().abs().sum()) * 1e-7
-    return total
 
 
 class GossipSync(DiLoCoSync):

@@ -19,7 +19,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import torch
 from hivemind import DHT
@@ -101,12 +101,19 @@ def batch_shares(target: int, microbatch: int, peers: list[tuple[str, float]]) -
     return {p: g * microbatch for p, g in zip(ids, given)}
 
 
+def tensors_fingerprint(tensors: Sequence[torch.Tensor]) -> float:
+    """An exact checksum of a list of tensors: equal floats iff (almost surely) equal tensors, in this order."""
+    with torch.no_grad():
+        total = 0.0
+        for i, t in enumerate(tensors):
+            total += float(t.double().sum()) * (1 + i * 1e-3) + float(t.double().abs().sum()) * 1e-7
+        return total
+
+
 def parameter_fingerprint(module: torch.nn.Module) -> float:
     """An exact checksum of the parameters: equal floats iff (almost surely) equal parameters."""
     with torch.no_grad():
-        total = 0.0
-        for i, p in enumerate(module.parameters()):
-            total += float(p.double().sum()) * (1 + i * 1e-3) + float(p.double().abs().sum()) * 1e-7
+        total = tensors_fingerprint(list(module.parameters()))
         m = getattr(module, "boundary_map", None)  # UPM: replicas in another output frame are not at our version
         if m is not None:
             total += float((m.double() * torch.arange(1, m.numel() + 1, dtype=torch.float64).reshape(m.shape)).sum())
