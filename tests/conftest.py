@@ -101,3 +101,41 @@ def pytest_unconfigure(config):
         sys.__stderr__.write(f"\n[conftest] still alive after the last test:\n{left}\n")
         sys.__stderr__.flush()
     threading.Thread(target=_watch_exit, args=(EXIT_GRACE_S,), name="exit-watchdog", daemon=True).start()
+
+
+# --- A test that failed while hivemind cut an all-reduce short runs once more -----------------------------------
+# hivemind sometimes ends a reducer's reply early ("peer ... sent 17 parts, but we expected 19", "received 93.3%
+# results"; root cause upstream not found, docs/TESTING.md). The node does what it is built to do (the round counts as
+# failed, the replica steps alone, a repair follows), but a test that checks bit-identity after that round fails.
+# Such a test runs once more, with the same fixtures, only if the failure came with a partial all-reduce counted
+# in this process (``agora.server.averaging.allreduce.partial_allreduces``: the in-process swarms of
+# ``swarm_util.local_swarm``); the second run's result is the test's result, and every rerun is listed at the end.
+_reruns: list = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    from agora.server.averaging.allreduce import partial_allreduces
+
+    before = partial_allreduces()
+    outcome = yield
+    partial = partial_allreduces() - before
+    if outcome.excinfo is None or partial == 0 or not issubclass(outcome.excinfo[0], Exception) \
+            or issubclass(outcome.excinfo[0], pytest.skip.Exception):
+        return
+    _reruns.append(f"{item.nodeid}: {partial} partial all-reduce(s); first run: "
+                   f"{outcome.excinfo[0].__name__}: {str(outcome.excinfo[1])[:160]!r}")
+    sys.stderr.write(f"[conftest] {item.nodeid} failed after {partial} partial all-reduce(s): running it once more\n")
+    try:
+        item.runtest()
+    except BaseException as err:  # noqa: BLE001 -- the second run's failure is the test's
+        outcome.force_exception(err)
+    else:
+        outcome.force_result(None)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _reruns:
+        terminalreporter.section("tests run twice: hivemind cut an all-reduce short during the first run")
+        for line in _reruns:
+            terminalreporter.write_line(line)

@@ -196,6 +196,17 @@ def report_part_failures() -> None:
         log.setLevel(logging.DEBUG)
 
 
+# Every partial all-reduce of the averagers this process started (shared with their processes, which it forks): the
+# node's own accounting is per averager (``GuardedAverager.partial_rounds``); this is for whoever watches a whole
+# process, such as the test suite's rerun of a test during which hivemind cut an all-reduce short (tests/conftest.py).
+PARTIAL_ALLREDUCES = mp.Value("q", 0)
+
+
+def partial_allreduces() -> int:
+    """All-reduces that averagers started by this process finished with part of the average missing, so far."""
+    return int(PARTIAL_ALLREDUCES.value)
+
+
 class GuardedAverager(DecentralizedAverager):
     """hivemind's averager process, ended when the node process that started it dies (``net.lifeline``), counting
     the all-reduces it finished with part of the average missing (``partial_rounds``, ``incomplete_allreduce``).
@@ -209,6 +220,7 @@ class GuardedAverager(DecentralizedAverager):
     def __init__(self, *args: Any, **kwargs: Any):
         self._lifeline = ParentWatch()
         self._partial = mp.Value("q", 0)  # shared: the all-reduce runs in the averager's process
+        self._partial_in_process = PARTIAL_ALLREDUCES  # an attribute, so a spawned (not forked) process shares it too
         self._target_sent: Optional[int] = kwargs.get("target_group_size")
         super().__init__(*args, **kwargs)
 
@@ -250,6 +262,8 @@ class GuardedAverager(DecentralizedAverager):
         if runner is not None and incomplete_allreduce(runner):
             with self._partial.get_lock():
                 self._partial.value += 1
+            with self._partial_in_process.get_lock():
+                self._partial_in_process.value += 1
 
 
 def incomplete_allreduce(runner: Any) -> bool:
