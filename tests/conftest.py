@@ -110,7 +110,10 @@ def pytest_unconfigure(config):
 # Such a test runs once more, with the same fixtures, only if the failure came with a partial all-reduce counted
 # in this process (``agora.server.averaging.allreduce.partial_allreduces``: the in-process swarms of
 # ``swarm_util.local_swarm``); the second run's result is the test's result, and every rerun is listed at the end.
+# Not rerun: tests reading captured output (``capsys``/``capfd``: the rerun runs outside that capture); ``caplog``
+# is cleared first, so the second run is judged on its own records. pytest-timeout's limit covers both runs.
 _reruns: list = []
+_OUTPUT_FIXTURES = {"capsys", "capsysbinary", "capfd", "capfdbinary"}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -120,9 +123,14 @@ def pytest_runtest_call(item):
     before = partial_allreduces()
     outcome = yield
     partial = partial_allreduces() - before
-    if outcome.excinfo is None or partial == 0 or not issubclass(outcome.excinfo[0], Exception) \
-            or issubclass(outcome.excinfo[0], pytest.skip.Exception):
+    failed = outcome.excinfo is not None and (issubclass(outcome.excinfo[0], (Exception, pytest.fail.Exception))
+                                             and not issubclass(outcome.excinfo[0], (pytest.skip.Exception,
+                                                                                     pytest.xfail.Exception)))
+    if not failed or partial == 0 or _OUTPUT_FIXTURES & set(item.fixturenames):
         return
+    caplog = getattr(item, "funcargs", {}).get("caplog")
+    if caplog is not None:
+        caplog.clear()
     _reruns.append(f"{item.nodeid}: {partial} partial all-reduce(s); first run: "
                    f"{outcome.excinfo[0].__name__}: {str(outcome.excinfo[1])[:160]!r}")
     sys.stderr.write(f"[conftest] {item.nodeid} failed after {partial} partial all-reduce(s): running it once more\n")

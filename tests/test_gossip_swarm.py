@@ -121,8 +121,10 @@ def test_gossip_mixes_phase_starts_in_the_background_and_pairs_at_the_phase_end(
         # every other exchange is a compressed one, from the common start or the pair's last exact exchange
         assert s.exchanges_compressed == (s.exchanges_ok - exact if codec != "none" else 0)
         assert s.reference_mismatches == 0
-        if exact:
-            assert list(s._references) == [(b if s is a.sync else a).peer_id]
+        if exact:  # round 2's Mix1 renewed the pair's reference, named by its label and both members
+            (partner, (name, _, since)), = s._references.items()
+            assert partner == (b if s is a.sync else a).peer_id and since == 2
+            assert name == f"mix1-4|{min(a.peer_id, b.peer_id)}|{max(a.peer_id, b.peer_id)}"
         assert s.background_bytes > 0  # Mix1 of the second and third phases
         if q == 0:
             assert s.blocking_bytes == 0  # nothing on the wire at a phase end
@@ -203,24 +205,27 @@ def test_an_exchange_gives_up_as_soon_as_its_partner_is_gone():
 
 def test_which_reference_an_exchange_sends_its_difference_from():
     """With a codec: the pair's own reference, else the common start, and none (an exact exchange) every
-    ``resync_every``-th round, after a failed or mismatched exchange with that partner, and without a codec."""
+    ``resync_every``-th round, once the reference is ``resync_every`` rounds old, after a failed or mismatched
+    exchange with that partner, and without a codec."""
     from types import SimpleNamespace
 
     from agora.server.averaging.gossip import GossipSync
 
-    start = ("start:1.0", [torch.zeros(2)])
+    start = ("start:1.0", [torch.zeros(2)], 0)
     fake = SimpleNamespace(codec="uint8", resync_every=4, _references={}, _no_start=set(), _start_reference=start)
     ref = lambda partner, round_index: GossipSync._reference_for(fake, partner, round_index)  # noqa: E731
     assert ref("p", 1) is start and ref("p", 4) is None and ref("p", 0) is None  # rounds 0, 4, 8...: exact
-    fake._references["p"] = ("mix2-8-0-0", [torch.ones(2)])
-    assert ref("p", 5)[0] == "mix2-8-0-0" and ref("q", 5) is start  # q has no exchange of its own with us yet
+    assert ref("p", 5) is None  # the start is 5 rounds old: a pair that missed round 4 renews its reference now
+    fake._references["p"] = ("mix2-16-0-0|a|p", [torch.ones(2)], 8)
+    assert ref("p", 9)[0] == "mix2-16-0-0|a|p" and ref("q", 9) is None  # q: only the (too old) start in common
+    assert ref("p", 11) is not None and ref("p", 13) is None  # exact rounds at 12; by age at 13 as well
     GossipSync._forget_reference(fake, "p")
-    assert ref("p", 5) is None and ref("q", 5) is start  # p's next exchange is exact; q keeps the common start
-    fake._references["q"] = ("mix1-8", [torch.ones(2)])
+    assert ref("p", 9) is None and ref("q", 2) is start  # p's next exchange is exact; q keeps the common start
+    fake._references["q"] = ("mix1-16|a|q", [torch.ones(2)], 8)
     GossipSync._prune_references(fake, ["me", "p"])  # q left: its copy of the parameters goes
     assert "q" not in fake._references
     fake.codec = "none"
-    assert ref("q", 5) is None
+    assert ref("q", 2) is None
 
 
 def test_the_start_reference_names_the_weights_it_holds():

@@ -15,8 +15,9 @@ the replica keeps its own value for that exchange (the dead edge drops out, as M
 training goes on. ``q = 0`` puts no byte on the wire at a phase end.
 
 With ``averaging.codec`` a pair averages its parameters' *difference from a reference both hold*, compressed: the
-common start (seed weights, by fingerprint), later the result of the pair's last exact exchange, which every
-``resync_every``-th round is (docs/AVERAGING.md, "Compressed rounds").
+common start (the outer state a replica began with, named by its fingerprint), later the result of the pair's last
+exact exchange; every ``resync_every``-th round, and any exchange whose reference is that many rounds old, is exact
+(docs/AVERAGING.md, "Compressed rounds").
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def ring_matchings(n: int) -> list[list[tuple[int, int]]]:
     return [m for m in out if m]
 
 
+Reference = tuple[str, list[torch.Tensor], int]  # id both ends gather, the parameters both hold, round it dates from
+
+
 def pair_bits(round_index: int, exchange: int, pair: int) -> str:
     """The group key bits of one pairwise exchange: 2 bits of round, 4 of exchange (0: Mix1, 1..: Mix2 matchings),
     ``PAIR_BITS`` of pair index. Two replicas with the same bits form a group of two; nobody else has them."""
@@ -71,15 +75,16 @@ class GossipSync(DiLoCoSync):
         self.exchanges_compressed = 0  # of exchanges_ok: sent as a difference from a shared reference, compressed
         self.reference_mismatches = 0  # exchanges discarded because the pair held different references
         # With a codec, the references this replica shares with its partners: partner peer id -> (reference id, the
-        # parameters both hold, to the last bit or within float32 rounding). ``_start_reference`` is the phase
-        # start every seeded replica begins from; it stands for any partner without a reference of its own until
-        # an exchange shows the partner does not hold it (``_no_start``).
-        self._references: dict[str, tuple[str, list[torch.Tensor]]] = {}
-        self._start_reference: Optional[tuple[str, list[torch.Tensor]]] = None
+        # parameters both hold within float32 rounding, the round they date from). ``_start_reference`` is the outer
+        # state this replica began with (round 0), the same on every seeded replica; it stands for any partner
+        # without a reference of its own until an exchange shows the partner does not hold it (``_no_start``).
+        self._references: dict[str, Reference] = {}
+        self._start_reference: Optional[Reference] = None
         self._no_start: set[str] = set()
+        self._last_control = None  # the last exchange's hivemind step (a cancelled one may still be running)
         if self.codec != "none":
             start = [t.clone() for t in self.outer]
-            self._start_reference = (f"start:{tensors_fingerprint(start)!r}", start)
+            self._start_reference = (f"start:{tensors_fingerprint(start)!r}", start, 0)
 
     @property
     def codec(self) -> str:
@@ -110,22 +115,26 @@ class GossipSync(DiLoCoSync):
         self._start_reference = None
 
     # ------------------------------------------------------------------ references (with a codec)
-    def _reference_for(self, partner: str, round_index: int) -> Optional[tuple[str, list[torch.Tensor]]]:
+    def _reference_for(self, partner: str, round_index: int) -> Optional[Reference]:
         """The reference to send our difference from in an exchange with ``partner`` in round ``round_index``, or
-        None for an exact exchange: no codec, every ``resync_every``-th round, or no reference in common. Both ends
-        compute the same answer from the same history; where their histories differ (one end saw an exchange fail
-        that the other completed, a joiner), the reference ids they gather differ and the exchange is discarded."""
+        None for an exact exchange: no codec, every ``resync_every``-th round, a reference ``resync_every`` rounds
+        old or older (a pair the exact rounds never bring together still renews its own), or no reference in
+        common. The decision depends only on the round and the reference's id, so two ends holding the same id
+        decide alike; ends whose histories differ (one saw an exchange fail that the other completed, a joiner)
+        hold different ids, which the exchange's gather shows, and the exchange is discarded."""
         if self.codec == "none" or round_index % self.resync_every == 0:
             return None
-        if partner in self._references:
-            return self._references[partner]
-        if partner not in self._no_start:
-            return self._start_reference
-        return None
+        reference = self._references.get(partner)
+        if reference is None and partner not in self._no_start:
+            reference = self._start_reference
+        if reference is None or round_index - reference[2] >= self.resync_every:
+            return None
+        return reference
 
     def _forget_reference(self, partner: str) -> None:
-        """After a failed or mismatched exchange: the next one with ``partner`` is exact (the partner does the same,
-        as it saw the same failure or mismatch, or holds no reference for us at all)."""
+        """After a failed, partial or mismatched exchange: our next one with ``partner`` is exact. The partner may
+        still hold a reference (it completed the exchange); then the ids differ next time, that exchange is
+        discarded at both ends, and the one after it is exact at both."""
         self._references.pop(partner, None)
         self._no_start.add(partner)
 
@@ -154,6 +163,15 @@ class GossipSync(DiLoCoSync):
 
         reference = self._reference_for(partner, self._round_of(label))
         reference_id = reference[0] if reference is not None else ""
+        if not await self._previous_exchange_settled(timeout):
+            # a cancelled exchange still running in the averager's process would send with this one's wire format
+            logger.info(f"stage {c.stage_index}: gossip exchange {label} skipped: the previous one is still running")
+            self.exchanges_failed += 1
+            if self.codec != "none":
+                self._forget_reference(partner)
+            return None
+        partial_before = self.averager.partial_rounds
+        control = None
         try:
             await c.run_io(lambda: self.averager.set_group_bits(bits, wait=False).result(timeout=DHT_TIMEOUT_S))
             with self.averager.get_tensors() as bufs:
@@ -161,9 +179,15 @@ class GossipSync(DiLoCoSync):
                     b.copy_(v if reference is None else v - reference[1][i])
             self.compression.set_exact(reference is None)
             gather = {"exchange": label, "reference": reference_id}
-            control = await c.run_io(lambda: self.averager.step(weight=1.0, gather=gather, timeout=timeout,
-                                                                allow_retries=True, wait=False))
+            control = self._last_control = await c.run_io(lambda: self.averager.step(
+                weight=1.0, gather=gather, timeout=timeout, allow_retries=True, wait=False))
             result = await self._await_round(control, None, timeout, alive=partner_alive)
+        except asyncio.CancelledError:  # the phase end gave up on this Mix1: stop hivemind's step too
+            if control is not None:
+                control.cancel()
+            if self.codec != "none":
+                self._forget_reference(partner)
+            raise
         except Exception as err:  # an exchange that failed, not a failed node
             logger.info(f"stage {c.stage_index}: gossip exchange {label} raised {err!r}")
             result = None
@@ -174,6 +198,10 @@ class GossipSync(DiLoCoSync):
             if self.codec != "none":
                 self._forget_reference(partner)
             return None
+        if self.codec == "none":
+            self.exchanges_ok += 1
+            with self.averager.get_tensors() as bufs:
+                return [b.clone() for b in bufs]
         if {g.get("reference") for g in gathered} != {reference_id}:
             # Each end sent a difference from another reference (or one sent its parameters): the average means
             # nothing. Both ends see it; the next exchange of the pair is exact.
@@ -184,14 +212,33 @@ class GossipSync(DiLoCoSync):
             self._forget_reference(partner)
             return None
         self.exchanges_ok += 1
+        members = sorted(str(p) for p in result)
         with self.averager.get_tensors() as bufs:
-            if reference is None:
-                out = [b.clone() for b in bufs]
-                if self.codec != "none":  # an exact average: both ends hold it within float32 rounding
-                    self._references[partner] = (label, [t.clone() for t in out])
-                return out
-            self.exchanges_compressed += 1
-            return [r + b for r, b in zip(reference[1], bufs)]
+            if reference is not None:
+                self.exchanges_compressed += 1
+                return [r + b for r, b in zip(reference[1], bufs)]
+            out = [b.clone() for b in bufs]
+        # An exact average: both ends hold it within float32 rounding, and it becomes the pair's reference, under an
+        # id naming the round and both members (the ones actually grouped: a replica whose view of the graph differed
+        # may have met another partner), unless hivemind left parts of it out (each end kept its own values there).
+        other = next(m for m in members if m != c.peer_id)
+        if self.averager.partial_rounds > partial_before:
+            self._forget_reference(other)
+        else:
+            self._references[other] = (f"{label}|{members[0]}|{members[1]}", [t.clone() for t in out],
+                                       self._round_of(label))
+        return out
+
+    async def _previous_exchange_settled(self, timeout: float) -> bool:
+        """Whether the last exchange's hivemind step is over (waiting up to ``timeout`` for a cancelled one): the
+        averager's process reads ``compression.set_exact`` whenever it sends, so two steps must not overlap."""
+        control = self._last_control
+        deadline = time.monotonic() + timeout
+        while control is not None and not control.done():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     def _round_of(self, label: str) -> int:
         """The round index of an exchange, from its label (``mix1-<boundary>``, ``mix2-<step>-<r>-<k>``)."""
