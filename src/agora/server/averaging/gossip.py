@@ -81,7 +81,6 @@ class GossipSync(DiLoCoSync):
         self._references: dict[str, Reference] = {}
         self._start_reference: Optional[Reference] = None
         self._no_start: set[str] = set()
-        self._last_control = None  # the last exchange's hivemind step (a cancelled one may still be running)
         if self.codec != "none":
             start = [t.clone() for t in self.outer]
             self._start_reference = (f"start:{tensors_fingerprint(start)!r}", start, 0)
@@ -163,23 +162,19 @@ class GossipSync(DiLoCoSync):
 
         reference = self._reference_for(partner, self._round_of(label))
         reference_id = reference[0] if reference is not None else ""
-        if not await self._previous_exchange_settled(timeout):
-            # a cancelled exchange still running in the averager's process would send with this one's wire format
-            logger.info(f"stage {c.stage_index}: gossip exchange {label} skipped: the previous one is still running")
-            self.exchanges_failed += 1
-            if self.codec != "none":
-                self._forget_reference(partner)
-            return None
         partial_before = self.averager.partial_rounds
         control = None
         try:
             await c.run_io(lambda: self.averager.set_group_bits(bits, wait=False).result(timeout=DHT_TIMEOUT_S))
             with self.averager.get_tensors() as bufs:
+                # hivemind holds this lock for a whole all-reduce, sending included: an exchange given up on (a
+                # cancelled Mix1) that still runs in the averager's process has finished here, so it cannot send
+                # with the wire format set for this one
                 for i, (b, v) in enumerate(zip(bufs, values)):
                     b.copy_(v if reference is None else v - reference[1][i])
-            self.compression.set_exact(reference is None)
+                self.compression.set_exact(reference is None)
             gather = {"exchange": label, "reference": reference_id}
-            control = self._last_control = await c.run_io(lambda: self.averager.step(
+            control = await c.run_io(lambda: self.averager.step(
                 weight=1.0, gather=gather, timeout=timeout, allow_retries=True, wait=False))
             result = await self._await_round(control, None, timeout, alive=partner_alive)
         except asyncio.CancelledError:  # the phase end gave up on this Mix1: stop hivemind's step too
@@ -228,17 +223,6 @@ class GossipSync(DiLoCoSync):
             self._references[other] = (f"{label}|{members[0]}|{members[1]}", [t.clone() for t in out],
                                        self._round_of(label))
         return out
-
-    async def _previous_exchange_settled(self, timeout: float) -> bool:
-        """Whether the last exchange's hivemind step is over (waiting up to ``timeout`` for a cancelled one): the
-        averager's process reads ``compression.set_exact`` whenever it sends, so two steps must not overlap."""
-        control = self._last_control
-        deadline = time.monotonic() + timeout
-        while control is not None and not control.done():
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.1)
-        return True
 
     def _round_of(self, label: str) -> int:
         """The round index of an exchange, from its label (``mix1-<boundary>``, ``mix2-<step>-<r>-<k>``)."""
