@@ -121,10 +121,6 @@ class CountingCompression(CompressionBase):
         """Send the following rounds' parts uncompressed (``True``) or in the codec's format (``False``)."""
         self._exact.value = 1 if exact else 0
 
-    @property
-    def exact(self) -> bool:
-        return bool(self._exact.value)
-
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         base = self._base
         if self._exact.value:

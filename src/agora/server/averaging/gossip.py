@@ -92,7 +92,7 @@ class GossipSync(DiLoCoSync):
     def wire_codec(self) -> str:
         # With a codec, a compressed exchange carries the difference from the pair's reference in the codec's
         # format, an exact one (``compression.set_exact``) the parameters in float32 (docs/AVERAGING.md).
-        return self.ctx.manifest.averaging.codec
+        return self.codec
 
     def _make_payload_averager(self) -> GuardedAverager:
         shapes = [p.shape for p in self.ctx.runtime.stage.parameters()]
