@@ -222,8 +222,10 @@ def test_which_reference_an_exchange_sends_its_difference_from():
     GossipSync._forget_reference(fake, "p")
     assert ref("p", 9) is None and ref("q", 2) is start  # p's next exchange is exact; q keeps the common start
     fake._references["q"] = ("mix1-16|a|q", [torch.ones(2)], 8)
-    GossipSync._prune_references(fake, ["me", "p"])  # q left: its copy of the parameters goes
-    assert "q" not in fake._references
+    GossipSync._prune_references(fake, ["me", "p"], 2)  # q left: its copy of the parameters goes
+    assert "q" not in fake._references and fake._start_reference is start
+    GossipSync._prune_references(fake, ["me", "p"], 4)  # the start is too old for any exchange from round 4 on
+    assert fake._start_reference is None
     fake.codec = "none"
     assert ref("q", 2) is None
 

@@ -137,10 +137,13 @@ class GossipSync(DiLoCoSync):
         self._references.pop(partner, None)
         self._no_start.add(partner)
 
-    def _prune_references(self, live: list[str]) -> None:
-        """Drop the references of partners that left (each is a copy of the stage's parameters)."""
+    def _prune_references(self, live: list[str], round_index: int) -> None:
+        """Drop the references no exchange can use any more (each is a copy of the stage's parameters): those of
+        partners that left, and the start once it is ``resync_every`` rounds old."""
         for partner in [p for p in self._references if p not in live]:
             del self._references[partner]
+        if self._start_reference is not None and round_index - self._start_reference[2] >= self.resync_every:
+            self._start_reference = None
 
     # ------------------------------------------------------------------ the live graph
     async def _ranked(self, step: int) -> tuple[list[str], int]:
@@ -269,7 +272,7 @@ class GossipSync(DiLoCoSync):
         mixed, self._mixed = self._mixed, None
         new = await c.run_compute(self._outer_step, mixed, step)
         ranked, me = await self._ranked(step)
-        self._prune_references(ranked)
+        self._prune_references(ranked, step // self.every)
         for r in range(self.q if len(ranked) > 1 else 0):
             for k, matching in enumerate(ring_matchings(len(ranked))):
                 pair = next(((i, j) for i, j in matching if me in (i, j)), None)
