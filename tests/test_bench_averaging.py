@@ -40,3 +40,23 @@ def test_the_summary_compares_with_full_under_the_same_condition():
     assert rows["capped/gossip_q1"]["val_loss"] == pytest.approx(6.3)  # median over seeds
     assert rows["capped/gossip_q1"]["full_time_over_this"] == pytest.approx(2.0)
     assert rows["capped/full"]["vs_full_loss"] == 1.0 and rows["clean/full"]["consensus_distance"] is None
+
+
+def test_an_arm_stopped_at_its_timeout_is_a_bound_not_a_time(tmp_path):
+    """A `full` arm that never finished (the issue's 4 Mbit/s case) gives a lower bound on its time, and so only a
+    lower bound on how much sooner a finished arm was; the table says so instead of printing a time."""
+    from agora.bench.averaging import AveragingOptions, _write
+
+    def arm(scheme, train_s, bound=None, steps=12):
+        return {"seed": 0, "scheme": scheme, "condition": "capped", "finished": bound is None,
+                "val_loss": 6.0 if bound is None else None, "loss_ratio": None, "train_s": train_s,
+                "train_s_at_least": bound, "steps_completed": steps, "utilisation": None,
+                "averaging_bytes_per_step": 1.0, "consensus_distance": None, "longest_stall_s": 1.0, "kills": 0}
+
+    arms = [arm("full", None, bound=1400.0, steps=3), arm("gossip_q1+uint8", 350.0)]
+    rows = summarize(arms)
+    assert rows["capped/full"]["unfinished"] == 1 and rows["capped/full"]["train_s"] is None
+    assert rows["capped/gossip_q1+uint8"]["full_time_over_this"] is None
+    assert rows["capped/gossip_q1+uint8"]["full_time_over_this_at_least"] == pytest.approx(4.0)
+    _, md = _write(tmp_path, AveragingOptions(), arms)
+    assert "> 1400 (unfinished: 3 steps)" in md and "| > 4.00 |" in md

@@ -21,6 +21,7 @@ def test_the_curvature_section_runs_every_warmup_variant_on_equal_tokens(tmp_pat
         assert len(r["train_loss"]) == 8 and [v["step"] for v in r["curvature"]] == [2, 4, 6, 8]
         assert r["tracker_s"] > 0 and 0 < r["tracker_share"] < 10
         assert r["reference"]["hvps"] == 10 and r["reference"]["relative_error"] >= 0
+        assert [x["step"] for x in r["references"]] == [8] and r["references"][0]["tracker"] == r["curvature"][-1]["lambda"]
     no, steps, curv = runs[1], runs[2], runs[3]
     assert no["depth"] == [4] * 8 and no["all_blocks_at_step"] == 1
     assert steps["depth"][0] == 1 and steps["all_blocks_at_step"] == 4  # tiny: 4 blocks, all active at 0.5 x 8
@@ -30,7 +31,7 @@ def test_the_curvature_section_runs_every_warmup_variant_on_equal_tokens(tmp_pat
     if curv["held_steps"] == 0:
         assert curv["depth"] == steps["depth"]
     md = (tmp_path / "result.md").read_text()
-    assert "steps held" in md and "error vs 10 more products" in md and md.count(f"| {runs[1]['lr']:.3g} |") == 3
+    assert "steps held" in md and "error vs 10 Lanczos products from the tracker's vector, at steps 8" in md and md.count(f"| {runs[1]['lr']:.3g} |") == 3
     assert json.loads((tmp_path / "result.json").read_text())["curvature_runs"][3]["warmup"] == "curvature"
 
 
@@ -62,3 +63,14 @@ def test_the_tracker_section_scores_every_method_against_dense_eigvalsh(tmp_path
                                  "within_1pct_from_step"}
     md = (tmp_path / "result.md").read_text()
     assert "Tracker against the exact eigenvalue" in md and md.count("| 0 | 8 |") == 1
+
+
+def test_reference_steps_must_be_measurement_steps(tmp_path):
+    from typer.testing import CliRunner
+
+    from agora.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "training", "--preset", "tiny", "--sections", "curvature", "--steps", "20",
+                                      "--curvature-reference", "10", "--curvature-reference-steps", "10,15",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "must be measurement steps" in result.output

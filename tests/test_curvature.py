@@ -310,3 +310,31 @@ def test_tracker_every_tenth_step_lanczos_beats_power_iteration_against_eigvalsh
                 errors[m].append(abs(value - exact) / exact)
     assert len(errors["lanczos"]) == 3 and max(errors["lanczos"]) < 0.01, errors
     assert all(a < b for a, b in zip(errors["lanczos"], errors["power"])), errors
+
+
+def test_reference_converges_to_eigvalsh_and_leaves_the_tracker_as_it_was():
+    """The bench's yardstick where eigvalsh is out of reach: one unrestarted Lanczos run from the tracker's vector.
+    On the MLP after 20 AdamW steps, 40 products reach the dense value within 1e-4 (never above it), while the
+    tracker's own 3-product estimate from a cold vector is far off; the tracker's vector and value are untouched."""
+    model = _mlp()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    loss_fn = lambda: nn.functional.mse_loss(model(x), y)  # noqa: E731
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        optimizer.step()
+    moments = [optimizer.state[p]["exp_avg_sq"] for p in params]
+    tracker = CurvatureTracker(params, hvps=3, eps=1e-8, seed=0)
+    estimate = tracker.measure(loss_fn, moments, beta2=0.95, step=20)
+    before = [t.clone() for t in tracker.u]
+    reference = tracker.reference(loss_fn, moments, beta2=0.95, step=20, products=40)
+    exact = _exact_top_eigenvalue(model, x, y, optimizer)
+    assert reference <= exact * (1 + 1e-6) and (exact - reference) / exact < 1e-4, (reference, exact)
+    assert (exact - estimate) / exact > 1e-2, (estimate, exact)  # one cold measurement: the yardstick must see it
+    assert tracker.value == estimate and tracker.measurements == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, tracker.u))
+    with pytest.raises(ValueError):
+        tracker.reference(loss_fn, moments, beta2=0.95, step=20, products=0)

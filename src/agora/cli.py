@@ -494,6 +494,8 @@ def bench_averaging(
     every: int = typer.Option(4, min=1, help="inner steps per outer round (diloco, gossip); sparse's round period"),
     link_mbps: float = typer.Option(4.0, min=0.01, help="capped: every peer's uplink"),
     kill_every: float = typer.Option(30.0, min=1.0, help="kill: seconds between replica kills"),
+    arm_timeout: float = typer.Option(7200.0, min=60.0, help="an arm that has not trained its tokens after this "
+                                      "many seconds stops and is reported unfinished, with the steps it completed"),
 ) -> None:
     """The averaging schemes side by side at equal tokens, clean, over capped links and under replica kills:
     validation loss, training time, utilisation, averaging bytes per step, consensus distance, stalls."""
@@ -512,7 +514,7 @@ def bench_averaging(
         raise typer.Exit(2)
     run(out, AveragingOptions(preset=preset, stages=stages, replicas=replicas, steps=steps, seeds=seed_list,
                               schemes=chosen, conditions=conds, every=every, link_mbps=link_mbps,
-                              kill_every_s=kill_every), log=console.print)
+                              kill_every_s=kill_every, arm_timeout_s=arm_timeout), log=console.print)
 
 
 @bench_app.command("training")
@@ -528,8 +530,12 @@ def bench_training(
     curvature_every: int = typer.Option(10, min=1), curvature_hvps: int = typer.Option(3, min=1, max=5),
     warmup_curvature_every: int = typer.Option(2, min=1, help="curvature section: the curvature-driven warm-up "
                                                "row's measurement cadence"),
-    curvature_reference: int = typer.Option(0, min=0, max=500, help="curvature section: after the last measurement, "
-                                            "this many more products at the same point, for the tracker's error"),
+    curvature_reference: int = typer.Option(0, min=0, max=120, help="curvature section: after the measurement at "
+                                            "each reference step, one Lanczos run of this many products from the "
+                                            "tracker's vector (as many parameter-sized vectors in memory), for the "
+                                            "tracker's error"),
+    curvature_reference_steps: str = typer.Option("", help="curvature section: comma-separated steps for "
+                                                  "--curvature-reference (default: the last step)"),
     curvature_method: str = typer.Option("lanczos", help="curvature section: the tracker, lanczos or power"),
     tracker_steps: int = typer.Option(150, min=1, help="tracker section: AdamW steps of the micro model"),
     sections: str = typer.Option("optimizers,curvature", help="comma-separated subset of optimizers, curvature, "
@@ -547,6 +553,10 @@ def bench_training(
     try:
         seed_list, chosen, parts = _listed(seeds, int), _listed(optimizers), _listed(sections)
         factors = _listed(spike_lr, float)
+        reference_steps = _listed(curvature_reference_steps, int)
+        if any(not 1 <= x <= steps or x % curvature_every for x in reference_steps):
+            raise ValueError(f"reference steps {reference_steps} must be measurement steps (multiples of "
+                             f"--curvature-every {curvature_every}) within 1..{steps}")
         bad = [x for x in chosen if x not in OPTIMIZERS] + [x for x in parts if x not in SECTIONS]
         if curvature_method not in METHODS:
             bad.append(f"curvature method {curvature_method}")
@@ -560,6 +570,7 @@ def bench_training(
     run(out, TrainingOptions(preset=preset, steps=steps, seeds=seed_list, optimizers=chosen,
                              numuon_rank=numuon_rank, spike_lr_factors=factors, curvature_every=curvature_every,
                              curvature_hvps=curvature_hvps, curvature_reference_hvps=curvature_reference,
+                             curvature_reference_steps=tuple(reference_steps),
                              warmup_curvature_every=warmup_curvature_every,
                              curvature_method=curvature_method, tracker_steps=tracker_steps,
                              sections=parts,

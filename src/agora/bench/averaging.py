@@ -51,6 +51,7 @@ class AveragingOptions:
     link_mbps: float = 4.0
     kill_every_s: float = 30.0
     in_flight: int = 2
+    arm_timeout_s: float = SWARM_TIMEOUT_S  # an arm still training after this stops, reported unfinished
     val_batches: int = 4
 
     def averaging_spec(self, arm: str) -> str:
@@ -106,7 +107,7 @@ def run_arm(folder: Path, opts: AveragingOptions, seed: int, scheme: str, condit
         out=folder,
         shape=SwarmShape(preset=opts.preset, stages=opts.stages, replicas=opts.replicas, in_flight=opts.in_flight,
                          averaging=opts.averaging_spec(scheme), val_batches=opts.val_batches, seed=seed),
-        stop=StopRule(steps=opts.steps, tokens=central["tokens"], exact_tokens=True, timeout=SWARM_TIMEOUT_S),
+        stop=StopRule(steps=opts.steps, tokens=central["tokens"], exact_tokens=True, timeout=opts.arm_timeout_s),
         link=LinkOptions(mbps=opts.link_mbps) if condition == "capped" else LinkOptions(),
         chaos=ChaosOptions(every_s=opts.kill_every_s, seed=seed) if condition == "kill" else ChaosOptions(),
         live=False, sample_tokens=0))
@@ -122,7 +123,10 @@ def run_arm(folder: Path, opts: AveragingOptions, seed: int, scheme: str, condit
         "seed": seed, "scheme": scheme, "condition": condition, "finished": s["finished"],
         "tokens": s["tokens"], "centralized_tokens": central["tokens"], "val_loss": val,
         "loss_ratio": (val / central["val_loss"]) if val is not None else None,
-        "train_s": end - start, "wall_s": s["wall_s"],
+        # an arm stopped by ``arm_timeout_s`` has no training time, only a lower bound on it (its deadline)
+        "train_s": end - start if s["finished"] else None,
+        "train_s_at_least": None if s["finished"] else opts.arm_timeout_s - start, "steps_completed": steps,
+        "wall_s": s["wall_s"],
         "utilisation": statistics.median(utilisation) if utilisation else None,
         "averaging_bytes_per_step": s.get("averaging_bytes_sent", 0) / max(1, steps),
         "consensus_distance": statistics.median(consensus) if consensus else None,
@@ -143,6 +147,8 @@ def summarize(arms: list[dict]) -> dict[str, dict]:
     for condition in dict.fromkeys(a["condition"] for a in arms):
         full = [a for a in arms if a["condition"] == condition and a["scheme"] == "full"]
         full_val, full_s = _median(full, "val_loss"), _median(full, "train_s")
+        # an unfinished full arm: its time is only bounded below, and so is how much sooner another arm is
+        full_bound = None if full_s is not None or not full else min(a["train_s_at_least"] for a in full)
         for scheme in dict.fromkeys(a["scheme"] for a in arms if a["condition"] == condition):
             mine = [a for a in arms if a["condition"] == condition and a["scheme"] == scheme]
             row = {k: _median(mine, k) for k in ("val_loss", "loss_ratio", "train_s", "utilisation",
@@ -150,6 +156,12 @@ def summarize(arms: list[dict]) -> dict[str, dict]:
                                                  "longest_stall_s", "kills")}
             row["vs_full_loss"] = row["val_loss"] / full_val if row["val_loss"] and full_val else None
             row["full_time_over_this"] = full_s / row["train_s"] if full_s and row["train_s"] else None
+            row["full_time_over_this_at_least"] = (full_bound / row["train_s"] if full_bound and row["train_s"]
+                                                   else None)
+            late = [a for a in mine if not a.get("finished", True)]
+            row["unfinished"] = len(late)
+            row["train_s_at_least"] = min(a["train_s_at_least"] for a in late) if late else None
+            row["steps_completed"] = [a.get("steps_completed") for a in late]
             row["seeds"] = [a["seed"] for a in mine]
             rows[f"{condition}/{scheme}"] = row
     return rows
@@ -161,8 +173,18 @@ def _write(out: Path, opts: AveragingOptions, arms: list[dict]) -> tuple[dict, s
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
+    def train_s(r):
+        if r.get("unfinished"):  # stopped at the arm timeout: a bound, and how far it got
+            return f"> {r['train_s_at_least']:.0f} (unfinished: {', '.join(map(str, r['steps_completed']))} steps)"
+        return f(r["train_s"], ".0f")
+
+    def sooner(r):
+        if r.get("full_time_over_this_at_least") is not None:
+            return f"> {r['full_time_over_this_at_least']:.2f}"
+        return f(r["full_time_over_this"], ".2f")
+
     table = [[key.split("/")[1], key.split("/")[0], f(r["val_loss"], ".4f"), f(r["loss_ratio"], ".4f"),
-              f(r["vs_full_loss"], ".4f"), f(r["train_s"], ".0f"), f(r["full_time_over_this"], ".2f"),
+              f(r["vs_full_loss"], ".4f"), train_s(r), sooner(r),
               f(r["utilisation"], ".2f"), f(r["averaging_bytes_per_step"], ".3g"), f(r["consensus_distance"], ".2e"),
               f(r["longest_stall_s"], ".1f"), f(r["kills"], ".0f")] for key, r in rows.items()]
     md = (f"`{opts.preset}`, {opts.stages} stages x {opts.replicas} replicas, {opts.steps} steps' tokens per arm "

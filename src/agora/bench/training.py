@@ -52,8 +52,10 @@ class TrainingOptions:
     curvature_every: int = 10
     curvature_hvps: int = 3
     curvature_sequences: int = 2  # of the measurement microbatch (a Hessian-vector product costs ~2 backwards)
-    # > 0: after the last measurement, this many more products at the same point: the tracker's error against it
+    # > 0: after the measurement at each of ``curvature_reference_steps`` (default: the last step), one Lanczos run
+    # of this many products from the tracker's vector at the same point: the tracker's error against it
     curvature_reference_hvps: int = 0
+    curvature_reference_steps: tuple[int, ...] = ()
     warmup_until: float = 0.3  # architecture warm-up rows (spiking lr): every block active at this share of steps
     # (mode steps; mode curvature runs the same schedule on a clock held while lr x lambda > 0.5 x the threshold,
     # measured every ``warmup_curvature_every`` steps: a warm-up of a few dozen steps needs more than every 10)
@@ -151,6 +153,7 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
     summary, _ = train_model(m, opts.steps, val_batches=opts.val_batches, curvature_every=opts.curvature_every,
                              curvature_hvps=opts.curvature_hvps, curvature_sequences=opts.curvature_sequences,
                              curvature_reference_hvps=opts.curvature_reference_hvps,
+                             curvature_reference_steps=opts.curvature_reference_steps,
                              curvature_method=opts.curvature_method)
     c = summary["curvature"]
     train_s = summary["wall_s"] - c["seconds"]
@@ -161,6 +164,7 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
             "threshold": c["threshold"], "curvature": c["values"], "train_loss": summary["train_loss"],
             "depth": depth, "all_blocks_at_step": full,
             "held_steps": (summary["warmup"] or {}).get("held_steps", 0), "reference": c.get("reference"),
+            "references": c.get("references", []),
             "tracker_s": c["seconds"], "train_s": train_s, "tracker_share": c["seconds"] / max(train_s, 1e-9)}
 
 
@@ -288,8 +292,8 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                 f"{r['spikes']}, alarms {r['alarms']}, lambda {[round(v['lambda'], 1) for v in r['curvature']]}, "
                 f"all blocks at step {r['all_blocks_at_step']}, held {r['held_steps']}, tracker "
                 f"{100 * r['tracker_share']:.1f}% of training time"
-                + (f", error {r['reference']['relative_error']:.2e} against {r['reference']['hvps']} more products"
-                   if r["reference"] else ""))
+                + "".join(f", step {x['step']}: error {x['relative_error']:.2e} against {x['hvps']} products"
+                          for x in r["references"]))
     curvature_table = []
     for factor, warmup in variants:
         mine = [r for r in curvature_runs if r["factor"] == factor and r["warmup"] == (warmup or "no")]
@@ -305,7 +309,7 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                                 ", ".join(str(r["all_blocks_at_step"]) for r in mine) if warmup else "-",
                                 sum(r["held_steps"] for r in mine) if warmup == "curvature" else "-",
                                 _fmt(_median_spread([100 * r["tracker_share"] for r in mine]), ".1f")]
-                               + ([", ".join(f"{r['reference']['relative_error']:.1e}" if r["reference"] else "-"
+                               + ([", ".join(" / ".join(f"{x['relative_error']:.1e}" for x in r["references"]) or "-"
                                              for r in mine)] if opts.curvature_reference_hvps else []))
     tracker_runs = [run_tracker(base, seed, opts) for seed in (opts.seeds if "tracker" in opts.sections else ())]
     for r in tracker_runs:
@@ -326,7 +330,8 @@ def run(out: Path, options: Optional[TrainingOptions] = None, log: Callable[[str
                f"above the lowest of the previous 5; totals over seeds {list(opts.seeds)}):\n\n"
                + markdown_table(["lr", "architecture warm-up", "val loss", "spikes", "alarms", "max lr x lambda",
                                  "threshold", "all blocks from step", "steps held", "tracker % of training time"]
-                               + ([f"last estimate's error vs {opts.curvature_reference_hvps} more products"]
+                               + ([f"error vs {opts.curvature_reference_hvps} Lanczos products from the tracker's "
+                                   f"vector, at steps {', '.join(map(str, opts.curvature_reference_steps or (opts.steps,)))}"]
                                   if opts.curvature_reference_hvps else []),
                                 curvature_table))
     if tracker_runs:

@@ -6,6 +6,7 @@ Every swarm benchmark is reported as a ratio against this run, so it counts toke
 from __future__ import annotations
 
 import json
+import math
 import resource
 import time
 from pathlib import Path
@@ -65,6 +66,7 @@ def train_model(
     curvature_hvps: int = 3,
     curvature_sequences: int = 2,
     curvature_reference_hvps: int = 0,
+    curvature_reference_steps: tuple[int, ...] = (),
     curvature_method: str = "lanczos",
     device: str = "cpu",
     precision: str = "fp32",
@@ -83,8 +85,9 @@ def train_model(
 
     ``curvature_every``: measure the whole model's top preconditioned Hessian eigenvalue after every N-th step
     (``ModelCurvature``; a curvature-driven warm-up measures at its manifest's cadence whatever this says);
-    ``curvature_reference_hvps``: after the last step's measurement, continue from its vector with that many more
-    products at the same point, for the tracker's error against a (nearly) converged value; ``curvature_method``:
+    ``curvature_reference_hvps``: after the measurement at each of ``curvature_reference_steps`` (default: the last
+    step), one Lanczos run of that many products from the tracker's vector at the same point, for the tracker's
+    error against a (nearly) converged value; ``curvature_method``:
     the tracker's (``CurvatureTracker``).
 
     ``device``, ``precision``, ``checkpoint_blocks``: as a node's ``--device``, ``--precision`` (bf16: autocast
@@ -122,7 +125,8 @@ def train_model(
     if every:
         sample = next(train.batches(mb, seed=manifest.seed + 1))[:curvature_sequences]  # its own stream
         curvature = ModelCurvature(manifest, model, sample.to(dev), every, curvature_hvps,
-                                   reference=(steps, curvature_reference_hvps) if curvature_reference_hvps else None,
+                                   reference=((tuple(curvature_reference_steps) or (steps,)), curvature_reference_hvps)
+                                   if curvature_reference_hvps else None,
                                    method=curvature_method)
     clock, held = 0, 0  # the architecture warm-up's clock (agora.model.active_depth) and the steps it was held
 
@@ -167,10 +171,12 @@ class ModelCurvature:
     every ``every``-th optimizer step, on fixed training sequences, with the optimizer's own second moments."""
 
     def __init__(self, manifest: Manifest, model: PipelineModel, sample: torch.Tensor, every: int, hvps: int,
-                 reference: Optional[tuple[int, int]] = None, method: str = "lanczos"):
+                 reference: Optional[tuple[tuple[int, ...], int]] = None, method: str = "lanczos"):
         self.manifest, self.model, self.sample, self.every = manifest, model, sample, every
-        self.reference = reference  # (step, products): a converged value to compare the tracker's with
-        self.reference_value: Optional[float] = None
+        # (steps, products): after the measurement at each of these steps, a nearly converged value to score the
+        # tracker's against (CurvatureTracker.reference; not counted as the tracker's cost)
+        self.reference = reference
+        self.references: list[dict] = []
         self.threshold = alarm_threshold(manifest.optimizer.betas[0])
         self.params = tracked_parameters(list(model.named_parameters()))
         self.tracker = CurvatureTracker(self.params, hvps=hvps, seed=manifest.seed, method=method)
@@ -192,13 +198,10 @@ class ModelCurvature:
         beta2 = self.manifest.optimizer.betas[1]
         with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
             value = self.tracker.measure(loss, moments, beta2, taken)
-            if self.reference is not None and step == self.reference[0]:
-                # restarted Lanczos from the tracker's vector: its value only grows towards lambda_max, so the
-                # error against it is a lower bound on the true error (not counted as cost)
-                ref = CurvatureTracker(self.params, hvps=5, seed=self.manifest.seed)
-                ref.load_state(self.tracker.state())
-                for _ in range(max(1, self.reference[1] // 5)):
-                    self.reference_value = ref.measure(loss, moments, beta2, taken)
+            if self.reference is not None and step in self.reference[0]:
+                exact = self.tracker.reference(loss, moments, beta2, taken, self.reference[1])
+                self.references.append({"step": step, "hvps": self.reference[1], "lambda": exact, "tracker": value,
+                                        "relative_error": abs(value - exact) / abs(exact) if exact else math.inf})
         self.seconds += self.tracker.last_seconds
         lr = lr_at(self.manifest.optimizer, step)
         self.values.append({"step": step, "lambda": value, "lr_x_lambda": lr * value})
@@ -213,11 +216,9 @@ class ModelCurvature:
     def summary(self) -> dict:
         out = {"every": self.every, "hvps": self.tracker.hvps, "method": self.tracker.method, "sequences": int(self.sample.shape[0]),
                "values": self.values, "alarms": self.alarms, "threshold": self.threshold, "seconds": self.seconds}
-        if self.reference_value is not None:
-            last = self.values[-1]["lambda"]
-            out["reference"] = {"step": self.reference[0], "hvps": 5 * max(1, self.reference[1] // 5),
-                                "lambda": self.reference_value,
-                                "relative_error": abs(last - self.reference_value) / abs(self.reference_value)}
+        if self.references:
+            out["references"] = self.references
+            out["reference"] = self.references[-1]
         return out
 
 
