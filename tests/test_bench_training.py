@@ -21,6 +21,7 @@ def test_the_curvature_section_runs_every_warmup_variant_on_equal_tokens(tmp_pat
         assert len(r["train_loss"]) == 8 and [v["step"] for v in r["curvature"]] == [2, 4, 6, 8]
         assert r["tracker_s"] > 0 and 0 < r["tracker_share"] < 10
         assert r["reference"]["hvps"] == 10 and r["reference"]["relative_error"] >= 0
+        assert r["reference_s"] > 0  # timed apart: neither the tracker's cost nor training time
         assert [x["step"] for x in r["references"]] == [8] and r["references"][0]["tracker"] == r["curvature"][-1]["lambda"]
     no, steps, curv = runs[1], runs[2], runs[3]
     assert no["depth"] == [4] * 8 and no["all_blocks_at_step"] == 1

@@ -156,7 +156,7 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
                              curvature_reference_steps=opts.curvature_reference_steps,
                              curvature_method=opts.curvature_method)
     c = summary["curvature"]
-    train_s = summary["wall_s"] - c["seconds"]
+    train_s = summary["wall_s"] - c["seconds"] - c.get("reference_seconds", 0.0)  # the yardstick is not training
     depth = [r["depth"] for r in summary["history"]]
     full = next((r["step"] + 1 for r in summary["history"] if r["depth"] == m.model.n_layers), None)
     return {"lr": m.optimizer.lr, "factor": factor, "warmup": warmup or "no", "seed": seed,
@@ -165,7 +165,8 @@ def run_curvature(base: Manifest, factor: float, seed: int, opts: TrainingOption
             "depth": depth, "all_blocks_at_step": full,
             "held_steps": (summary["warmup"] or {}).get("held_steps", 0), "reference": c.get("reference"),
             "references": c.get("references", []),
-            "tracker_s": c["seconds"], "train_s": train_s, "tracker_share": c["seconds"] / max(train_s, 1e-9)}
+            "tracker_s": c["seconds"], "reference_s": c.get("reference_seconds", 0.0), "train_s": train_s,
+            "tracker_share": c["seconds"] / max(train_s, 1e-9)}
 
 
 def micro_manifest(base: Manifest, seed: int, opts: TrainingOptions) -> Manifest:

@@ -177,6 +177,7 @@ class ModelCurvature:
         # tracker's against (CurvatureTracker.reference; not counted as the tracker's cost)
         self.reference = reference
         self.references: list[dict] = []
+        self.reference_seconds = 0.0  # inside the run's wall time, but neither training nor the tracker's cost
         self.threshold = alarm_threshold(manifest.optimizer.betas[0])
         self.params = tracked_parameters(list(model.named_parameters()))
         self.tracker = CurvatureTracker(self.params, hvps=hvps, seed=manifest.seed, method=method)
@@ -199,7 +200,9 @@ class ModelCurvature:
         with sdpa_kernel(SDPBackend.MATH):  # fused attention has no second derivative
             value = self.tracker.measure(loss, moments, beta2, taken)
             if self.reference is not None and step in self.reference[0]:
+                started = time.perf_counter()
                 exact = self.tracker.reference(loss, moments, beta2, taken, self.reference[1])
+                self.reference_seconds += time.perf_counter() - started
                 self.references.append({"step": step, "hvps": self.reference[1], "lambda": exact, "tracker": value,
                                         "relative_error": abs(value - exact) / abs(exact) if exact else math.inf})
         self.seconds += self.tracker.last_seconds
@@ -215,7 +218,8 @@ class ModelCurvature:
 
     def summary(self) -> dict:
         out = {"every": self.every, "hvps": self.tracker.hvps, "method": self.tracker.method, "sequences": int(self.sample.shape[0]),
-               "values": self.values, "alarms": self.alarms, "threshold": self.threshold, "seconds": self.seconds}
+               "values": self.values, "alarms": self.alarms, "threshold": self.threshold, "seconds": self.seconds,
+               "reference_seconds": self.reference_seconds}
         if self.references:
             out["references"] = self.references
             out["reference"] = self.references[-1]
