@@ -191,21 +191,9 @@ class CurvatureTracker:
         ``torch.autograd.grad``, so ``.grad`` is untouched. A non-finite result resets ``u`` and returns NaN.
         """
         start = time.perf_counter()
-        scale = self.inverse_sqrt_preconditioner(second_moments, beta2, step)
+        shift = self.shift
         with torch.enable_grad():
-            loss = loss_fn()
-            if loss.numel() != 1 or not loss.requires_grad:
-                raise ValueError("loss_fn must return a scalar that depends on the tracked parameters")
-            grads = torch.autograd.grad(loss.reshape(()), self.params, create_graph=True, allow_unused=True)
-            # A gradient that is None or constant has a zero Hessian row (and, by symmetry, column): skip it.
-            live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
-
-            shift = self.shift
-
-            def matvec(x: Tensor) -> Tensor:
-                h = self._hvp(grads, live, scale * x).mul_(scale)
-                return h.add_(x, alpha=shift) if shift else h
-
+            matvec = self._operator(loss_fn, second_moments, beta2, step, shift)
             iterate = warm_lanczos if self.method == "lanczos" else warm_power_iteration
             lam, u = iterate(matvec, self._u, self.hvps)
             lam -= shift
@@ -234,12 +222,27 @@ class CurvatureTracker:
         vectors the size of the tracked parameters (``small``: 60 MB each)."""
         if products < 1:
             raise ValueError(f"products must be >= 1, got {products}")
-        scale = self.inverse_sqrt_preconditioner(second_moments, beta2, step)
         with torch.enable_grad():
-            grads = torch.autograd.grad(loss_fn().reshape(()), self.params, create_graph=True, allow_unused=True)
-            live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
-            value, _ = warm_lanczos(lambda x: self._hvp(grads, live, scale * x).mul_(scale), self._u.clone(), products)
+            value, _ = warm_lanczos(self._operator(loss_fn, second_moments, beta2, step), self._u.clone(), products)
         return value
+
+    def _operator(self, loss_fn: Callable[[], Tensor], second_moments: Optional[Sequence[Optional[Tensor]]],
+                  beta2: float, step: int, shift: float = 0.0) -> Callable[[Tensor], Tensor]:
+        """``x -> P^-1/2 H P^-1/2 x + shift x`` at the current point, by double backward through one retained
+        first-order graph (built here; call and use it with grad enabled)."""
+        scale = self.inverse_sqrt_preconditioner(second_moments, beta2, step)
+        loss = loss_fn()
+        if loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("loss_fn must return a scalar that depends on the tracked parameters")
+        grads = torch.autograd.grad(loss.reshape(()), self.params, create_graph=True, allow_unused=True)
+        # A gradient that is None or constant has a zero Hessian row (and, by symmetry, column): skip it.
+        live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+
+        def matvec(x: Tensor) -> Tensor:
+            h = self._hvp(grads, live, scale * x).mul_(scale)
+            return h.add_(x, alpha=shift) if shift else h
+
+        return matvec
 
     def alarm(self, lr: float, beta1: float) -> bool:
         """True when the last estimate puts ``lr * lambda`` above the stability threshold for ``beta1``."""
