@@ -60,3 +60,8 @@ def test_an_arm_stopped_at_its_timeout_is_a_bound_not_a_time(tmp_path):
     assert rows["capped/gossip_q1+uint8"]["full_time_over_this_at_least"] == pytest.approx(4.0)
     _, md = _write(tmp_path, AveragingOptions(), arms)
     assert "> 1400 (unfinished: 3 steps)" in md and "| > 4.00 |" in md
+    # one full seed finished, one did not: the median of time and bound (850), not the finished seed's 300 alone
+    mixed = summarize([dict(arm("full", 300.0), seed=1), arm("full", None, bound=1400.0, steps=3),
+                       arm("gossip_q1+uint8", 100.0)])
+    assert mixed["capped/gossip_q1+uint8"]["full_time_over_this"] is None
+    assert mixed["capped/gossip_q1+uint8"]["full_time_over_this_at_least"] == pytest.approx(8.5)

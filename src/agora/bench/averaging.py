@@ -147,8 +147,13 @@ def summarize(arms: list[dict]) -> dict[str, dict]:
     for condition in dict.fromkeys(a["condition"] for a in arms):
         full = [a for a in arms if a["condition"] == condition and a["scheme"] == "full"]
         full_val, full_s = _median(full, "val_loss"), _median(full, "train_s")
-        # an unfinished full arm: its time is only bounded below, and so is how much sooner another arm is
-        full_bound = None if full_s is not None or not full else min(a["train_s_at_least"] for a in full)
+        full_bound = None
+        if any(not a.get("finished", True) for a in full):
+            # An unfinished full arm's time is only bounded below. The median of every seed's time or bound is a
+            # lower bound on the median time (a median of finished seeds alone would drop the slowest): "x times
+            # sooner" becomes "at least x times".
+            full_s, full_bound = None, statistics.median(
+                [a["train_s"] if a.get("finished", True) else a["train_s_at_least"] for a in full])
         for scheme in dict.fromkeys(a["scheme"] for a in arms if a["condition"] == condition):
             mine = [a for a in arms if a["condition"] == condition and a["scheme"] == scheme]
             row = {k: _median(mine, k) for k in ("val_loss", "loss_ratio", "train_s", "utilisation",
